@@ -1,0 +1,242 @@
+"""The decorator and its bindings: what a training function declares about itself.
+
+    @train(training_set=Input("crm.churn-train"), output=Output("crm.churn"), steps=30_000, eval_every=1_000)
+    def fit(training_set, output, run, config): ...
+
+Bindings are declarations; the job (``gwenlake_hpc.job``) resolves them when it runs: an ``Input`` becomes a
+:class:`gwenlake_hpc.data.Dataset`, an ``Output`` a bound ``Output`` with a directory in the run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import os
+import re
+import typing
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*\.[A-Za-z0-9][A-Za-z0-9_-]*$")
+
+
+def check_name(name: str, what: str) -> str:
+    """Validate a ``group.name`` (dataset or model name) and return it.
+
+    Raises:
+        ConfigError: not of the form ``group.name`` with letters, digits, ``_`` and ``-``.
+    """
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ConfigError(f"{what} {name!r} is not a valid name: use 'group.name' "
+                          "(letters, digits, '_' and '-', e.g. 'crm.churn-train')")
+    return name
+
+
+class Input:
+    """A dataset the training reads: ``Input("crm.churn-train")``.
+
+    Resolved through the catalog to ``<paths.data_root>/crm/churn-train.h5`` and passed to the function as a
+    :class:`gwenlake_hpc.data.Dataset` (``.rows``, ``.columns``, ``.revision``, ``.batches(...)``).
+    """
+
+    def __init__(self, name: str):
+        self.name = check_name(name, "Input dataset")
+
+    def __repr__(self) -> str:
+        return f"Input({self.name!r})"
+
+
+class Output:
+    """The model a training produces: ``Output("crm.churn")``.
+
+    The name is the model's name: it names the MLflow experiment, the run directory's parent
+    (``<paths.runs_root>/crm.churn/``) and the path ``crm/churn/`` in the model repository. In the function
+    the binding is bound to a directory: write the final model files with ``output.file("model.safetensors")``.
+    """
+
+    def __init__(self, name: str, *, path: str | os.PathLike | None = None):
+        self.name = check_name(name, "Output model")
+        self._path = Path(path) if path is not None else None
+
+    def bind(self, path: str | os.PathLike) -> "Output":
+        """A copy bound to the directory ``path`` (created)."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        return Output(self.name, path=path)
+
+    @property
+    def path(self) -> Path:
+        """The model's directory (``<run_dir>/output``); everything in it is committed at the end.
+
+        Raises:
+            RuntimeError: the binding is not bound (outside a job).
+        """
+        if self._path is None:
+            raise RuntimeError(f"Output({self.name!r}) is not bound to a directory outside a job")
+        return self._path
+
+    def file(self, name: str) -> Path:
+        """Path of a file inside the model's directory; parent folders are created.
+
+        Raises:
+            ConfigError: ``name`` is absolute or escapes the directory (``../x``, symlinks pointing out).
+        """
+        root = self.path.resolve()
+        candidate = (root / name).resolve()
+        if Path(name).is_absolute() or not candidate.is_relative_to(root) or candidate == root:
+            raise ConfigError(f"output.file({name!r}): the path escapes the model directory {root}; "
+                              "use a relative name such as 'model.safetensors'")
+        candidate.parent.mkdir(parents=True, exist_ok=True)
+        return candidate
+
+    def __repr__(self) -> str:
+        return f"Output({self.name!r})" if self._path is None else f"Output({self.name!r}, path={str(self._path)!r})"
+
+
+class Model:
+    """An existing model version to start from (fine-tuning): ``Model("crm.churn", version=SHA)``.
+
+    ``version`` is a commit SHA of the model repository, or None for the newest version of the model's
+    branch. In the function the binding is a directory with that version's files (``.path``, ``.file(name)``),
+    exported without touching any working tree; the resolved version enters the run key and the lineage.
+    """
+
+    def __init__(self, name: str, version: str | None = None):
+        self.name = check_name(name, "Model")
+        self.version = version
+        self._path: Path | None = None
+
+    def bind(self, path: str | os.PathLike, version: str) -> "Model":
+        """A copy bound to the exported directory ``path`` of ``version``."""
+        m = Model(self.name, version)
+        m._path = Path(path)
+        return m
+
+    @property
+    def path(self) -> Path:
+        """Directory holding the files of the version (bound in a job)."""
+        if self._path is None:
+            raise RuntimeError(f"Model({self.name!r}) is not bound outside a job")
+        return self._path
+
+    def file(self, name: str) -> Path:
+        """Path of one of the version's files."""
+        return self.path / name
+
+    def __repr__(self) -> str:
+        return f"Model({self.name!r}, version={self.version!r})"
+
+
+Binding = typing.Union[Input, Output, Model]
+
+#: Decorator arguments that are settings rather than bindings, with their defaults.
+DEFAULTS: dict[str, Any] = {
+    "steps": None, "epochs": None, "eval_every": 1000, "seed": 0, "model": None, "tracking": True,
+    "cpu": None, "memory": None, "gpu": None,
+}
+
+#: Every decorated function, by target ``module:qualname``.
+REGISTRY: dict[str, "TrainFunction"] = {}
+
+
+class TrainFunction:
+    """A decorated training function: the plain function plus what it declared.
+
+    Attributes:
+        fn: the function itself (calling the TrainFunction calls it unchanged).
+        bindings: parameter name -> Input / Output / Model.
+        defaults: the decorator's settings (``steps``, ``epochs``, ``eval_every``, ``seed``, ``model``,
+            ``tracking``, resources ``cpu``/``memory``/``gpu``), overridden by the job config.
+        prepare: optional ``callable(catalog, config)`` run before the inputs are opened (to materialise
+            datasets that are absent).
+        config_type: the dataclass ``config`` is annotated with, or None (then config is a mapping).
+        wants_config: whether the function declares a ``config`` parameter.
+    """
+
+    def __init__(self, fn: Callable[..., Any], bindings: dict[str, Binding], defaults: dict[str, Any],
+                 prepare: Callable[..., Any] | None):
+        self.fn = fn
+        self.bindings = bindings
+        self.defaults = defaults
+        self.prepare = prepare
+        functools.update_wrapper(self, fn)
+        sig = inspect.signature(fn)
+        params = sig.parameters
+        accepts_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        missing = [n for n in [*bindings, "run"] if n not in params and not accepts_kwargs]
+        if missing:
+            raise TypeError(f"@train on {fn.__qualname__}: the function has no parameter for "
+                            f"{', '.join(missing)}; add it to the signature")
+        self.wants_config = "config" in params
+        self.config_type = None
+        if self.wants_config:
+            try:
+                hint = typing.get_type_hints(fn).get("config")
+            except Exception:  # unresolved forward references: fall back to a mapping
+                hint = None
+            if hint is not None and dataclasses.is_dataclass(hint):
+                self.config_type = hint
+        outputs = [n for n, b in bindings.items() if isinstance(b, Output)]
+        if len(outputs) != 1:
+            raise TypeError(f"@train on {fn.__qualname__}: declare exactly one Output (found {len(outputs)})")
+        self.output_binding = outputs[0]
+
+    @property
+    def output(self) -> Output:
+        """The Output binding (the model this training produces)."""
+        return self.bindings[self.output_binding]  # type: ignore[return-value]
+
+    @property
+    def target(self) -> str:
+        """``module:qualname``, as a job config's ``job.target`` names it."""
+        return f"{self.fn.__module__}:{self.fn.__qualname__}"
+
+    @property
+    def run_name(self) -> str:
+        """The run's name within the model: ``model=`` if given, else the function's name."""
+        return self.defaults.get("model") or self.fn.__name__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<training {self.target} -> {self.output.name}>"
+
+
+def train(*, prepare: Callable[..., Any] | None = None, **kwargs: Any) -> Callable[[Callable[..., Any]], TrainFunction]:
+    """Declare a training function.
+
+    Keyword arguments are either bindings (``Input``, ``Output``, ``Model`` instances, by parameter name) or
+    settings that the job config and command line override: ``steps`` (int, total optimisation steps),
+    ``epochs`` (int, alternative to steps: epochs over the batches given to ``run.steps``), ``eval_every``
+    (int, steps between ``run.at_eval``), ``seed`` (int), ``model`` (str, the run's name within the model),
+    ``tracking`` (bool), and resources ``cpu`` (int), ``memory`` (GB), ``gpu`` (int) for cluster launchers.
+    ``prepare`` is an optional ``callable(catalog, config)`` called before inputs are opened.
+
+    The function must accept every binding by name and a ``run`` parameter (a :class:`gwenlake_hpc.run.Run`);
+    a ``config`` parameter, if declared, receives the job's hyperparameters (an instance of its annotated
+    dataclass, else a mapping). Its return value (a dict of metrics, or None for ``run.summary()``) becomes the
+    model's metrics.
+
+    Raises:
+        TypeError: an unknown keyword, a binding without a parameter, not exactly one Output.
+    """
+    bindings: dict[str, Binding] = {}
+    defaults = dict(DEFAULTS)
+    for key, value in kwargs.items():
+        if isinstance(value, (Input, Output, Model)):
+            bindings[key] = value
+        elif key in DEFAULTS:
+            defaults[key] = value
+        else:
+            raise TypeError(f"@train got {key}={value!r}: not a binding (Input/Output/Model) nor a setting "
+                            f"({', '.join(DEFAULTS)})")
+
+    def decorate(fn: Callable[..., Any]) -> TrainFunction:
+        tf = TrainFunction(fn, bindings, defaults, prepare)
+        REGISTRY[tf.target] = tf
+        return tf
+
+    return decorate

@@ -1,0 +1,258 @@
+"""Atomic checkpoints in a run directory, with retention that deletes only what it can prove is ours.
+
+Layout under ``<run_dir>/checkpoints/``::
+
+    step-000001000/            a complete checkpoint: the function's files, the Run's state, MANIFEST.json
+    .partial-000002000-<id>/   being written (or left by a killed process); never read as a checkpoint
+
+A checkpoint is written into a ``.partial-*`` directory beside its final place, every file and the directory
+are fsynced, ``MANIFEST.json`` (each file's size and sha256, the run key and the step) is written and fsynced
+last, then the directory is renamed into place and the parent fsynced. A kill at any point leaves either the
+old set of complete checkpoints or the old set plus the new one; nothing is ever overwritten in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import CheckpointError, ConfigError
+from .fsutil import fsync_dir
+
+log = logging.getLogger("gwenlake_hpc.checkpoint")
+
+MANIFEST = "MANIFEST.json"
+PARTIAL_MARK = ".gwenlake-partial"
+RUN_STATE = "gwenlake-run-state.json"
+FORMAT = 1
+_COMPLETE_RE = re.compile(r"^step-(\d{9,})$")
+_PARTIAL_RE = re.compile(r"^\.partial-(\d{9,})-[0-9a-f]{12}$")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint on disk.
+
+    Attributes:
+        path: its directory.
+        step: the number of training steps completed when it was written (1-based steps, so step k means
+            steps 1..k are done).
+        manifest: the parsed MANIFEST.json (``files``: relative path -> {size, sha256}, ``metrics``,
+            ``created`` as Unix seconds).
+    """
+
+    path: Path
+    step: int
+    manifest: Mapping[str, Any] = field(repr=False)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Metrics attached when it was written (``ck.metrics``), empty if none."""
+        return dict(self.manifest.get("metrics") or {})
+
+    def run_state(self) -> dict[str, Any]:
+        """The Run's own state saved with it (step, epoch, data position, RNG states, tracking run id)."""
+        return json.loads((self.path / RUN_STATE).read_text())
+
+
+def _fsync_path(path: Path, directory: bool = False) -> None:
+    if directory:
+        fsync_dir(path)
+        return
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class PendingCheckpoint:
+    """A checkpoint being written: files go into :attr:`dir`, :meth:`commit` makes it complete."""
+
+    def __init__(self, store: "CheckpointStore", step: int):
+        self.store = store
+        self.step = step
+        self.dir = store.root / f".partial-{step:09d}-{uuid.uuid4().hex[:12]}"
+        self.dir.mkdir(parents=True)
+        # The mark proves to a later cleanup that this directory is a partial checkpoint of this run.
+        (self.dir / PARTIAL_MARK).write_text(json.dumps({"run_key": store.run_key, "pid": os.getpid()}))
+        self.metrics: dict[str, float] = {}
+
+    def path(self, name: str) -> Path:
+        """Path of file ``name`` inside the checkpoint (sub-folders allowed, created on demand).
+
+        Raises:
+            ConfigError: the name is absolute, escapes the checkpoint with ``..``, or is reserved.
+        """
+        rel = Path(name)
+        if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+            raise ConfigError(f"checkpoint file name {name!r} must be a relative path inside the checkpoint")
+        if rel.parts[0] in (MANIFEST, PARTIAL_MARK, RUN_STATE):
+            raise ConfigError(f"checkpoint file name {name!r} is reserved by gwenlake_hpc; choose another name")
+        target = self.dir / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return target
+
+    def commit(self, run_state: Mapping[str, Any]) -> Checkpoint:
+        """Seal the checkpoint: write the Run's state and the manifest, fsync, rename into place.
+
+        Raises:
+            CheckpointError: a checkpoint for this step already exists (it is left untouched), or the
+                directory contains something that is not a regular file.
+        """
+        (self.dir / RUN_STATE).write_text(json.dumps(run_state, sort_keys=True))
+        files: dict[str, dict[str, Any]] = {}
+        for p in sorted(self.dir.rglob("*")):
+            rel = p.relative_to(self.dir).as_posix()
+            if rel == PARTIAL_MARK:
+                continue
+            if p.is_symlink() or not (p.is_file() or p.is_dir()):
+                raise CheckpointError(f"checkpoint entry {rel} is not a regular file")
+            if p.is_dir():
+                continue
+            _fsync_path(p)
+            files[rel] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+        manifest = {"format": FORMAT, "run_key": self.store.run_key, "step": self.step,
+                    "created": time.time(), "files": files, "metrics": self.metrics}
+        mpath = self.dir / MANIFEST
+        with open(mpath, "w") as fh:
+            json.dump(manifest, fh, sort_keys=True, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        (self.dir / PARTIAL_MARK).unlink()
+        for d in sorted((p for p in self.dir.rglob("*") if p.is_dir()), reverse=True):
+            _fsync_path(d, directory=True)
+        _fsync_path(self.dir, directory=True)
+        final = self.store.root / f"step-{self.step:09d}"
+        if final.exists():
+            self.abort()
+            raise CheckpointError(f"a checkpoint for step {self.step} already exists at {final}; it is kept as is")
+        os.rename(self.dir, final)
+        _fsync_path(self.store.root, directory=True)
+        return Checkpoint(final, self.step, manifest)
+
+    def abort(self) -> None:
+        """Remove the partial directory (after an exception inside the ``with`` block)."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class CheckpointStore:
+    """The checkpoints of one run, in ``root`` (normally ``<run_dir>/checkpoints``).
+
+    Args:
+        root: the directory; created if missing.
+        run_key: the run's key; a checkpoint whose manifest names another key is never read or deleted.
+    """
+
+    def __init__(self, root: str | os.PathLike, run_key: str):
+        self.root = Path(root)
+        self.run_key = run_key
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def begin(self, step: int) -> PendingCheckpoint:
+        """Start writing the checkpoint of ``step`` (steps completed)."""
+        return PendingCheckpoint(self, step)
+
+    def _read_manifest(self, path: Path) -> dict[str, Any] | None:
+        m = _COMPLETE_RE.match(path.name)
+        if not m or not path.is_dir() or path.is_symlink():
+            return None
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return None
+        if manifest.get("run_key") != self.run_key or manifest.get("step") != int(m.group(1)):
+            return None
+        return manifest
+
+    def complete(self) -> list[Checkpoint]:
+        """Checkpoints of this run with a readable manifest, oldest first (files not hashed; see latest)."""
+        found = []
+        for p in self.root.iterdir() if self.root.is_dir() else ():
+            manifest = self._read_manifest(p)
+            if manifest is not None:
+                found.append(Checkpoint(p, int(manifest["step"]), manifest))
+        return sorted(found, key=lambda c: c.step)
+
+    def verify(self, ck: Checkpoint) -> str | None:
+        """Check every file against the manifest. Returns None when intact, else what is wrong."""
+        for rel, info in ck.manifest.get("files", {}).items():
+            p = ck.path / rel
+            if not p.is_file():
+                return f"{rel} is missing"
+            if p.stat().st_size != info["size"]:
+                return f"{rel} has {p.stat().st_size} bytes, manifest says {info['size']}"
+            if _sha256(p) != info["sha256"]:
+                return f"{rel} does not match its sha256"
+        if RUN_STATE not in ck.manifest.get("files", {}):
+            return f"{RUN_STATE} is missing"
+        return None
+
+    def latest(self) -> Checkpoint | None:
+        """The newest checkpoint whose files all match their manifest, or None.
+
+        A damaged checkpoint is skipped with a warning and left on disk for inspection.
+        """
+        for ck in reversed(self.complete()):
+            problem = self.verify(ck)
+            if problem is None:
+                return ck
+            log.warning("checkpoint %s is damaged (%s); using an older one", ck.path, problem)
+        return None
+
+    def retain(self, keep: int) -> list[Path]:
+        """Delete all but the newest ``keep`` complete checkpoints of this run; returns what was deleted.
+
+        Only directories named ``step-<n>`` whose manifest names this run key are candidates, so foreign or
+        unrecognised directories are never touched. A directory is renamed away before it is deleted, so a
+        kill half-way never leaves something that looks complete.
+
+        Raises:
+            ConfigError: ``keep`` < 1.
+        """
+        if keep is None:
+            return []
+        if int(keep) < 1:
+            raise ConfigError(f"run.checkpoint(keep={keep}): keep must be at least 1 (or None to keep all)")
+        removed = []
+        for ck in self.complete()[: -int(keep)]:
+            trash = self.root / f".deleting-{ck.path.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(ck.path, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+            removed.append(ck.path)
+        return removed
+
+    def clean_partials(self) -> list[Path]:
+        """Remove partial checkpoints left by killed processes of this run (proved by their mark file).
+
+        Call only while no other process writes checkpoints of this run (the Run does it at start-up).
+        """
+        removed = []
+        for p in self.root.iterdir() if self.root.is_dir() else ():
+            if p.name.startswith(".deleting-step-") and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)  # an interrupted retention
+                continue
+            if not _PARTIAL_RE.match(p.name) or not p.is_dir():
+                continue
+            try:
+                mark = json.loads((p / PARTIAL_MARK).read_text())
+            except (OSError, ValueError):
+                continue
+            if mark.get("run_key") == self.run_key:
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+        return removed

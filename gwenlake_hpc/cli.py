@@ -1,0 +1,248 @@
+"""Command lines: ``python -m gwenlake_hpc`` (Hydra jobs and sub-commands) and ``gwenlake-train``.
+
+Sub-commands (``data``, ``tracking``, ``models``) are dispatched before Hydra reads the command line, so
+``python -m gwenlake_hpc tracking sync DIR`` is not parsed as an override.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .errors import EXIT_USAGE, GwenlakeError
+
+log = logging.getLogger("gwenlake_hpc.cli")
+
+SUBCOMMANDS = ("data", "tracking", "models")
+
+# MLflow configures its own loggers at import (INFO: "Creating initial MLflow database tables..."); its
+# environment variable is the one setting it reads at that moment.
+os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+
+
+def _setup_logging() -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s",
+                            stream=sys.stderr)
+    # MLflow and alembic are chatty at INFO when a store is created.
+    for noisy in ("alembic", "mlflow"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+# --- sub-commands ----------------------------------------------------------------------------------------------
+
+def _subcommand_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gwenlake_hpc", description=(
+        "Run a training job (python -m gwenlake_hpc +job=NAME [overrides]) or a sub-command."))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    data = sub.add_parser("data", help="datasets in the catalog").add_subparsers(dest="action", required=True)
+    imp = data.add_parser("import", help="turn a CSV or Parquet file into a catalog dataset (HDF5)")
+    imp.add_argument("source", help="a .csv, .parquet or .pq file")
+    imp.add_argument("name", help="dataset name group.name, e.g. crm.churn-train")
+    imp.add_argument("--data-root", default="data", help="catalog root (paths.data_root), default ./data")
+    imp.add_argument("--columns", help="comma-separated columns to keep (default: all)")
+    show = data.add_parser("show", help="print a dataset's rows, columns and revision")
+    show.add_argument("name")
+    show.add_argument("--data-root", default="data")
+
+    tr = sub.add_parser("tracking", help="MLflow tracking").add_subparsers(dest="action", required=True)
+    sync = tr.add_parser("sync", help="deliver metric points a job could not deliver, then its final status")
+    sync.add_argument("run_dir", help="the run directory (<runs_root>/<model>/<run key>)")
+    sync.add_argument("--uri", help="tracking URI to deliver to (default: the one the job used)")
+    sync.add_argument("--timeout", type=float, default=60.0, help="seconds to keep trying (default 60)")
+
+    models = sub.add_parser("models", help="model versions").add_subparsers(dest="action", required=True)
+    ls = models.add_parser("list", help="versions of a model, newest first")
+    ls.add_argument("name", help="model name group.name")
+    ls.add_argument("--repo", help="model repository (paths.model_repo)")
+    cm = models.add_parser("commit", help="commit a directory as a new version of a model (work done by hand)")
+    cm.add_argument("directory")
+    cm.add_argument("name", help="model name group.name")
+    cm.add_argument("--repo", help="model repository (paths.model_repo)")
+    cm.add_argument("-m", "--message", default=None)
+    return p
+
+
+def run_subcommand(argv: Sequence[str]) -> int:
+    """Run ``data``/``tracking``/``models`` sub-commands; returns the exit status."""
+    args = _subcommand_parser().parse_args(list(argv))
+    try:
+        if args.command == "data":
+            from .data import Catalog
+
+            catalog = Catalog(args.data_root)
+            if args.action == "import":
+                cols = [c.strip() for c in args.columns.split(",")] if args.columns else None
+                rev = catalog.import_table(args.source, args.name, columns=cols)
+                ds = catalog.open(args.name)
+                print(f"dataset {args.name}: {ds.rows} rows, columns {', '.join(ds.columns)}, revision {rev}")
+                print(f"path {ds.path}")
+            else:
+                ds = catalog.open(args.name)
+                print(f"dataset {args.name}: {ds.rows} rows, revision {ds.revision}, path {ds.path}")
+                for col, (dtype, shape) in ds.schema.items():
+                    print(f"  {col}: {dtype} {list(shape)}")
+            return 0
+        if args.command == "tracking":
+            from .tracking import sync as tracking_sync
+
+            res = tracking_sync(Path(args.run_dir) / "tracking", uri=args.uri, timeout_s=args.timeout)
+            print(f"run {res['run_id']}: delivered {res['delivered']} points, {res['remaining']} remaining, "
+                  f"status {res['status'] or 'unchanged'}")
+            return 0 if res["remaining"] == 0 else 1
+        if args.command == "models":
+            from .versioning import commit_model, default_model_repo, list_versions, open_model_repo
+
+            repo = open_model_repo(Path(args.repo) if args.repo else default_model_repo(Path.cwd()),
+                                   create=args.action == "commit")
+            if args.action == "list":
+                for v in list_versions(repo, args.name):
+                    print(f"{v['version']}  {v['date']}  {v['message'].splitlines()[0] if v['message'] else ''}")
+                return 0
+            sha = commit_model(repo, args.name, Path(args.directory),
+                               message=args.message or f"{args.name}: committed by hand from {args.directory}")
+            print(f"model {args.name} version {sha}")
+            return 0
+    except GwenlakeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return EXIT_USAGE
+
+
+# --- Hydra jobs --------------------------------------------------------------------------------------------------
+
+def run_hydra(argv: Sequence[str]) -> int:
+    """Compose the config with Hydra from ``argv`` and run the job; returns the exit status.
+
+    Hydra reports its own composition errors (unknown job, unknown key, wrong type) and exits 1; those are
+    mapped to 2, since they are usage errors. The job's own statuses pass through unchanged.
+    """
+    import hydra
+
+    from .config import conf_dir, register
+
+    register()
+    state = {"started": False, "code": 0}
+
+    @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
+    def _task(cfg) -> None:  # type: ignore[no-untyped-def]
+        from .job import execute
+
+        state["started"] = True
+        _setup_logging()
+        state["code"] = execute(cfg).exit_code
+
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "gwenlake_hpc", *argv]
+    try:
+        _task()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not state["started"] and code == 1:
+            return EXIT_USAGE
+        return code if not state["started"] else (state["code"] or code)
+    finally:
+        sys.argv = saved
+    return int(state["code"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m gwenlake_hpc``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        _setup_logging()
+        return run_subcommand(argv)
+    return run_hydra(argv)
+
+
+# --- gwenlake-train ------------------------------------------------------------------------------------------------
+
+_SKIP_DIRS = {".git", ".venv", "venv", "env", "__pycache__", "site-packages", "node_modules", "runs", "data",
+              "models", "outputs", "multirun", "build", "dist"}
+
+
+def discover(root: Path) -> dict[str, "object"]:
+    """Import the Python files under ``root`` that use ``@train`` and return the decorated functions.
+
+    Only files whose text mentions both ``gwenlake_hpc`` and ``@train`` are imported, so scanning a project
+    does not run its other scripts. Files that fail to import are reported and skipped.
+
+    Returns:
+        target (``path.py:function``) -> TrainFunction.
+    """
+    from .api import TrainFunction
+    from .job import load_target
+
+    found: dict[str, object] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+        for fn in sorted(filenames):
+            if not fn.endswith(".py"):
+                continue
+            path = Path(dirpath) / fn
+            try:
+                text = path.read_text(errors="replace")
+            except OSError:
+                continue
+            if "gwenlake_hpc" not in text or "@train" not in text:
+                continue
+            names = re.findall(r"@train\([\s\S]*?\)\s*\ndef\s+(\w+)", text)
+            rel = os.path.relpath(path, Path.cwd())
+            for name in names:
+                target = f"{rel}:{name}"
+                try:
+                    tf = load_target(target)
+                except Exception as exc:  # a broken file must not hide the others
+                    log.warning("skipping %s: %s", target, exc)
+                    continue
+                if isinstance(tf, TrainFunction):
+                    found[target] = tf
+    return found
+
+
+def train_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``gwenlake-train``: list or run decorated functions found under the current directory."""
+    _setup_logging()
+    p = argparse.ArgumentParser(prog="gwenlake-train", description=(
+        "Find @train functions under the current directory, list them, or run one locally. "
+        "Interrupt a run (Ctrl-C) and start it again: it resumes from its last checkpoint."))
+    p.add_argument("name", nargs="?", help="function name, or path.py:function (needed when several exist)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. job.params.lr=1e-3 paths.runs_root=/scratch/runs")
+    p.add_argument("--list", action="store_true", help="list the training functions found")
+    p.add_argument("--steps", type=int, help="total steps (job.steps)")
+    p.add_argument("--epochs", type=int, help="epochs (job.epochs)")
+    p.add_argument("--eval-every", type=int, help="steps between evaluations (job.eval_every)")
+    p.add_argument("--seed", type=int, help="seed (job.seed)")
+    p.add_argument("--root", default=".", help="directory to search (default: current directory)")
+    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+
+    found = discover(Path(args.root))
+    if args.list:
+        if not found:
+            print("no @train functions found under", Path(args.root).resolve())
+        for target, tf in found.items():
+            d = tf.defaults  # type: ignore[attr-defined]
+            length = f"steps={d['steps']}" if d.get("steps") else f"epochs={d.get('epochs')}"
+            print(f"{target}  -> {tf.output.name}  {length} eval_every={d['eval_every']}")  # type: ignore[attr-defined]
+        return 0
+    if args.name and ":" in args.name:
+        matches = [args.name]
+    else:
+        matches = [t for t in found if args.name is None or t.rsplit(":", 1)[1] == args.name]
+    if len(matches) != 1:
+        choices = ", ".join(found) or "none"
+        print(f"error: {'no' if not matches else 'several'} training functions match "
+              f"{args.name or '(no name given)'}; found: {choices}", file=sys.stderr)
+        return EXIT_USAGE
+    overrides = [f"job.target={matches[0]}", *args.overrides]
+    for flag, key in (("steps", "steps"), ("epochs", "epochs"), ("eval_every", "eval_every"), ("seed", "seed")):
+        if getattr(args, flag) is not None:
+            overrides.append(f"job.{key}={getattr(args, flag)}")
+    return run_hydra(overrides)

@@ -1,0 +1,121 @@
+"""Structured configs registered in Hydra's ConfigStore, so a wrong key or type fails before anything runs.
+
+``conf/config.yaml`` starts from the schema ``gwenlake_schema`` registered here; ``conf/job/<name>.yaml``
+files fill the ``job`` node (``+job=churn``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class Resume(str, Enum):
+    """``auto``: continue from the newest complete checkpoint of the run; ``never``: refuse if one exists."""
+
+    auto = "auto"
+    never = "never"
+
+
+@dataclass
+class PathsConfig:
+    """Where data, runs and models live.
+
+    Attributes:
+        data_root: catalog root; dataset ``crm.churn-train`` is ``<data_root>/crm/churn-train.h5``.
+        runs_root: run directories ``<runs_root>/<model name>/<run key>/`` (put it on the shared filesystem).
+        model_repo: git repository receiving model versions; default: the repository around the working
+            directory, else ``./models`` (created).
+    """
+
+    data_root: str = "data"
+    runs_root: str = "runs"
+    model_repo: Optional[str] = None
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow tracking.
+
+    Attributes:
+        uri: tracking URI; default ``sqlite:///<runs_root>/mlflow.db``. ``http(s)://`` for a server.
+        flush_interval_s: seconds between two background deliveries of metric points.
+        finish_timeout_s: seconds the end of a job waits for undelivered points before leaving them to
+            ``python -m gwenlake_hpc tracking sync``.
+    """
+
+    uri: Optional[str] = None
+    flush_interval_s: float = 2.0
+    finish_timeout_s: float = 60.0
+
+
+@dataclass
+class JobConfig:
+    """One training job.
+
+    Attributes:
+        target: the decorated function, ``package.module:function`` or ``path/to/file.py:function``.
+        steps, epochs, eval_every, seed, model, tracking: override the decorator's settings (None keeps them).
+        resume: ``auto`` or ``never``.
+        params: hyperparameters passed as ``config`` (checked against the function's dataclass if annotated).
+    """
+
+    target: str = MISSING
+    steps: Optional[int] = None
+    epochs: Optional[int] = None
+    eval_every: Optional[int] = None
+    seed: Optional[int] = None
+    model: Optional[str] = None
+    tracking: Optional[bool] = None
+    resume: Resume = Resume.auto
+    params: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LauncherConfig:
+    """How the job runs. ``local``: in this process.
+
+    Attributes:
+        name: the launcher.
+        progress: ``auto`` (bar on a terminal, log lines otherwise), ``bar``, ``lines`` or ``off``.
+        progress_every_s: seconds between progress lines.
+    """
+
+    name: str = "local"
+    progress: str = "auto"
+    progress_every_s: float = 30.0
+
+
+@dataclass
+class GwenlakeConfig:
+    """The whole configuration of a run (``python -m gwenlake_hpc --cfg job`` prints it)."""
+
+    job: JobConfig = field(default_factory=JobConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+
+def register() -> None:
+    """Register the schemas in Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="gwenlake_schema", node=GwenlakeConfig)
+    cs.store(group="launcher", name="local_schema", node=LauncherConfig, package="launcher")
+
+
+def conf_dir() -> Path:
+    """The config directory: ``$GWENLAKE_CONF``, else ``./conf`` when it has a config.yaml, else the one
+    shipped beside the package (the project's own ``conf/``)."""
+    env = os.environ.get("GWENLAKE_CONF")
+    if env:
+        return Path(env).resolve()
+    local = Path.cwd() / "conf"
+    if (local / "config.yaml").is_file():
+        return local.resolve()
+    return (Path(__file__).resolve().parent.parent / "conf")

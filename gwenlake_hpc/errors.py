@@ -1,0 +1,34 @@
+"""Exceptions that carry an exit status, so every entry point maps them the same way."""
+
+from __future__ import annotations
+
+#: Exit status of a usage or configuration error (bad override, unknown job, missing dataset).
+EXIT_USAGE = 2
+#: Exit status of an evicted training (SIGTERM, SIGUSR2, Ctrl-C): not a success, retry later.
+#: 75 is EX_TEMPFAIL from sysexits.h: "temporary failure, the user is invited to retry".
+EXIT_EVICTED = 75
+#: Exit status of a training that raised.
+EXIT_FAILED = 1
+
+
+class GwenlakeError(Exception):
+    """Base class of the errors gwenlake_hpc raises on purpose."""
+
+    exit_code = EXIT_FAILED
+
+
+class ConfigError(GwenlakeError, ValueError):
+    """Bad input from the user: a config key, an override, a binding or a name.
+
+    The message names the field and says how to fix it. Entry points exit with status 2.
+    """
+
+    exit_code = EXIT_USAGE
+
+
+class DataError(ConfigError):
+    """A dataset is missing or malformed (missing column, ragged column lengths, bad name)."""
+
+
+class CheckpointError(GwenlakeError):
+    """A checkpoint could not be written or read."""

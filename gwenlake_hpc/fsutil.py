@@ -1,0 +1,53 @@
+"""Small durable-file helpers shared by the run directory's writers."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory, so a rename or a new entry in it survives a crash of the node."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str) -> Path:
+    """Write ``data`` to ``path`` through a temporary file in the same directory, fsync, rename, fsync dir.
+
+    A reader sees the old content or the new one, never a mix; a kill leaves at most a stray ``.tmp`` file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = data.encode() if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(raw)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
+    """:func:`write_atomic` of ``obj`` as indented, key-sorted JSON."""
+    return write_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def read_json(path: str | os.PathLike, default: Any = None) -> Any:
+    """Parse a JSON file, or return ``default`` when it does not exist."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return default

@@ -1,0 +1,378 @@
+"""One job, from a resolved config to a committed model version.
+
+config -> resolve the function and its bindings -> run key and run directory -> Run (+ tracking) -> the
+function -> commit of the Output (or, when evicted, nothing but a checkpoint and a non-success exit status).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import platform
+import re
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from . import __version__
+from .api import REGISTRY, Input, Model, Output, TrainFunction
+from .data import Catalog
+from .errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, GwenlakeError
+from .fsutil import read_json, write_json_atomic
+from .run import Run, seed_everything
+from .signals import StopRequest
+from .tracking import NullTracker, Tracker, default_uri, flatten, is_sqlite, validate_uri
+from .versioning import code_state, commit_model, default_model_repo, export_version, list_versions, open_model_repo
+
+log = logging.getLogger("gwenlake_hpc.job")
+
+EXIT_INTERRUPTED = 130
+
+
+@dataclass
+class JobResult:
+    """What a job ended with.
+
+    Attributes:
+        exit_code: 0 success, 2 usage/config error, 75 evicted (resume later), 1 failure, 130 forced interrupt.
+        version: the model version (commit SHA) when one was committed or found.
+        run_dir: the run directory, when one was made.
+        final_step: the last step completed.
+    """
+
+    exit_code: int
+    version: str | None = None
+    run_dir: Path | None = None
+    final_step: int | None = None
+
+
+# --- resolving the function ----------------------------------------------------------------------------------
+
+def load_target(target: str) -> TrainFunction:
+    """Import ``module:function`` or ``path/to/file.py:function`` and return the decorated function.
+
+    Raises:
+        ConfigError: malformed target, module or file not found, no such attribute, or not ``@train``.
+    """
+    if not isinstance(target, str) or ":" not in target:
+        raise ConfigError(f"job.target={target!r}: use 'package.module:function' or 'path/to/file.py:function'")
+    mod_part, qualname = target.rsplit(":", 1)
+    if mod_part.endswith(".py"):
+        path = Path(mod_part).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(f"job.target={target!r}: file {path} does not exist")
+        mod_name = "gwenlake_job_" + hashlib.sha1(str(path).encode()).hexdigest()[:10] + "_" + re.sub(r"\W", "_", path.stem)
+        module = sys.modules.get(mod_name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(mod_name, path)
+            assert spec and spec.loader
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[mod_name] = module
+            spec.loader.exec_module(module)
+    else:
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(mod_part)
+        except ModuleNotFoundError as exc:
+            if exc.name and mod_part.startswith(exc.name):
+                raise ConfigError(f"job.target={target!r}: module {mod_part!r} not found "
+                                  f"(run from the project directory, or give a file path)") from exc
+            raise
+    obj: Any = module
+    for part in qualname.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"job.target={target!r}: {mod_part} has no attribute {qualname!r}")
+        obj = getattr(obj, part)
+    if not isinstance(obj, TrainFunction):
+        raise ConfigError(f"job.target={target!r} is not decorated with @gwenlake_hpc.train")
+    return obj
+
+
+def resolve_params(tf: TrainFunction, params: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Check ``job.params`` against the function's config dataclass, if it has one.
+
+    Returns:
+        ``(config, plain)``: what the function receives (dataclass instance or dict) and a plain dict of every
+        hyperparameter with defaults filled in (it enters the run key and MLflow params).
+
+    Raises:
+        ConfigError: an unknown key or a value of the wrong type, naming ``job.params.<key>``.
+    """
+    if tf.config_type is None:
+        plain = dict(params)
+        return plain, plain
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(tf.config_type), dict(params))
+        plain = OmegaConf.to_container(merged, resolve=True, enum_to_str=True)
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+        msg = str(exc).splitlines()[0]
+        raise ConfigError(f"job.params{('.' + str(key)) if key else ''}: {msg} "
+                          f"(fields of {tf.config_type.__name__}: "
+                          f"{', '.join(f.name for f in dataclasses.fields(tf.config_type))})") from exc
+    return obj, plain  # type: ignore[return-value]
+
+
+def make_run_key(model: str, run_name: str, params: Mapping[str, Any], seed: int,
+                 datasets: Mapping[str, str], init_models: Mapping[str, str]) -> str:
+    """The run key: ``<run name>-<16 hex>`` of a hash of what defines the training's result.
+
+    Derived from the model name, the run name, the hyperparameters, the seed, the dataset revisions and the
+    initial model versions, and nothing else: not ``steps``/``epochs`` (so a larger ``--steps`` extends a run),
+    not paths, not launcher settings. So a requeued or resubmitted job finds its checkpoints.
+    """
+    doc = json.dumps({"model": model, "run": run_name, "params": params, "seed": seed,
+                      "datasets": dict(datasets), "init_models": dict(init_models)},
+                     sort_keys=True, default=str, separators=(",", ":"))
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:64]
+    return f"{safe}-{hashlib.sha256(doc.encode()).hexdigest()[:16]}"
+
+
+def slurm_facts() -> dict[str, str]:
+    """SLURM job facts of this process from its environment (empty outside SLURM)."""
+    keys = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT",
+            "SLURM_JOB_PARTITION", "SLURM_JOB_NODELIST", "SLURM_PROCID")
+    return {k: os.environ[k] for k in keys if k in os.environ}
+
+
+# --- the job -------------------------------------------------------------------------------------------------
+
+def execute(cfg: DictConfig | Mapping[str, Any], *, stop: StopRequest | None = None) -> JobResult:
+    """Run one job described by a composed config (see :class:`gwenlake_hpc.config.GwenlakeConfig`).
+
+    Never raises for expected failures: they become the exit code, with the reason logged.
+    """
+    try:
+        return _execute(cfg, stop or StopRequest())
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return JobResult(EXIT_USAGE)
+    except OmegaConfBaseException as exc:
+        log.error("config error: %s", exc)
+        return JobResult(EXIT_USAGE)
+
+
+def _setting(cfg_job: Any, defaults: Mapping[str, Any], key: str) -> Any:
+    value = cfg_job.get(key) if hasattr(cfg_job, "get") else None
+    return defaults.get(key) if value is None else value
+
+
+def _execute(cfg: Any, stop: StopRequest) -> JobResult:
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.create(cfg)
+    job = cfg.job
+    if OmegaConf.is_missing(job, "target"):
+        raise ConfigError("no job given: add +job=NAME (a file conf/job/NAME.yaml) or job.target=module:function")
+    tf = load_target(job.target)
+    d = tf.defaults
+    steps = _setting(job, d, "steps")
+    epochs = _setting(job, d, "epochs")
+    eval_every = _setting(job, d, "eval_every")
+    seed = int(_setting(job, d, "seed"))
+    run_name = job.get("model") or tf.run_name
+    tracking_on = bool(_setting(job, d, "tracking"))
+    resume = str(job.get("resume", "auto").value if hasattr(job.get("resume"), "value") else job.get("resume", "auto"))
+    params_cfg = OmegaConf.to_container(job.params, resolve=True) if job.get("params") is not None else {}
+    config_obj, params = resolve_params(tf, params_cfg)
+
+    paths = cfg.paths
+    data_root = Path(paths.data_root).expanduser().resolve()
+    runs_root = Path(paths.runs_root).expanduser().resolve()
+    catalog = Catalog(data_root)
+    model_name = tf.output.name
+
+    tracking_uri = None
+    if tracking_on:
+        tracking_uri = validate_uri(cfg.tracking.uri) if cfg.tracking.get("uri") else default_uri(runs_root)
+
+    if tf.prepare is not None:
+        tf.prepare(catalog, config_obj)
+
+    # Bindings: open inputs (revisions enter the run key) and resolve initial models.
+    kwargs: dict[str, Any] = {}
+    datasets: dict[str, str] = {}
+    dataset_facts: dict[str, Any] = {}
+    model_versions: dict[str, str] = {}
+    repo_path = Path(paths.model_repo).expanduser().resolve() if paths.get("model_repo") else None
+    for name, b in tf.bindings.items():
+        if isinstance(b, Input):
+            ds = catalog.open(b.name)
+            kwargs[name] = ds
+            datasets[name] = f"{b.name}@{ds.revision}"
+            dataset_facts[name] = {"name": b.name, "revision": ds.revision, "rows": ds.rows, "path": str(ds.path)}
+        elif isinstance(b, Model):
+            repo = open_model_repo(repo_path or default_model_repo(Path.cwd()), create=False)
+            version = b.version
+            if version is None:
+                versions = list_versions(repo, b.name)
+                if not versions:
+                    raise ConfigError(f"Model({b.name!r}): the model repository {repo.working_dir} has no "
+                                      "version of it yet; train it first or give version=SHA")
+                version = versions[0]["version"]
+            else:
+                try:
+                    version = repo.git.rev_parse("--verify", f"{version}^{{commit}}")
+                except Exception as exc:
+                    raise ConfigError(f"Model({b.name!r}, version={b.version!r}): no such commit in "
+                                      f"{repo.working_dir}") from exc
+            model_versions[name] = f"{b.name}@{version}"
+
+    key = make_run_key(model_name, run_name, params, seed, datasets, model_versions)
+    run_dir = runs_root / model_name / key
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name, b in tf.bindings.items():
+        if isinstance(b, Output):
+            kwargs[name] = b.bind(run_dir / "output")
+        elif isinstance(b, Model):
+            version = model_versions[name].rsplit("@", 1)[1]
+            dest = run_dir / "init_models" / name / version
+            if not dest.exists():
+                repo = open_model_repo(repo_path or default_model_repo(Path.cwd()), create=False)
+                export_version(repo, b.name, version, dest)
+            kwargs[name] = b.bind(dest, version)
+
+    info_path = run_dir / "run.json"
+    info = read_json(info_path, default=None) or {
+        "run_key": key, "model": model_name, "run_name": run_name, "target": tf.target, "params": params,
+        "seed": seed, "datasets": dataset_facts, "init_models": model_versions, "created": time.time(),
+        "starts": [], "completed": None,
+    }
+    done = info.get("completed")
+    if done and done.get("steps") == steps and done.get("epochs") == epochs and done.get("version"):
+        log.info("run %s already finished at step %s; nothing to train", run_dir, done.get("final_step"))
+        print(f"model {model_name} version {done['version']}", flush=True)
+        return JobResult(0, done["version"], run_dir, done.get("final_step"))
+
+    start = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), **slurm_facts()}
+    info["starts"].append(start)
+    write_json_atomic(info_path, info)
+    log.info("run directory: %s", run_dir)
+
+    code = code_state(Path(sys.modules[tf.fn.__module__].__file__ or ".").resolve().parent
+                      if getattr(sys.modules.get(tf.fn.__module__), "__file__", None) else Path.cwd())
+    if tracking_on:
+        tags = {"gwenlake.run_key": key, "gwenlake.target": tf.target, "gwenlake.host": socket.gethostname(),
+                "gwenlake.restarts": str(len(info["starts"]) - 1)}
+        tags.update({f"gwenlake.dataset.{n}": v for n, v in datasets.items()})
+        tags.update({f"gwenlake.init_model.{n}": v for n, v in model_versions.items()})
+        if code.commit:
+            tags.update({"gwenlake.code_commit": code.commit, "gwenlake.code_dirty": str(code.dirty).lower()})
+        tags.update({f"slurm.{k[6:].lower()}": v for k, v in slurm_facts().items()})
+        artifact_location = (runs_root / "mlartifacts" / model_name).as_uri() if is_sqlite(tracking_uri) else None
+        tracker: Any = Tracker(tracking_uri, model_name, key, run_dir / "tracking",
+                               params=flatten({"params": params, "seed": seed}), tags=tags,
+                               artifact_location=artifact_location,
+                               flush_interval_s=float(cfg.tracking.flush_interval_s))
+        tracker.set_tags(tags)
+    else:
+        tracker = NullTracker()
+
+    seed_everything(seed)
+    launcher = cfg.get("launcher") or {}
+    try:
+        run = Run(run_dir=run_dir, run_key=key, steps=steps, epochs=epochs, eval_every=eval_every, seed=seed,
+                  tracker=tracker, stop=stop, resume=resume, progress=launcher.get("progress", "auto"),
+                  progress_every_s=float(launcher.get("progress_every_s", 30.0)))
+    except BaseException:
+        tracker.close()
+        raise
+    kwargs["run"] = run
+    if tf.wants_config:
+        kwargs["config"] = config_obj
+
+    finish_timeout = float(cfg.tracking.finish_timeout_s)
+    installed = stop.install()
+    try:
+        result = tf.fn(**kwargs)
+    except KeyboardInterrupt:
+        log.error("interrupted at step %d; the newest complete checkpoint is kept", run.step)
+        tracker.finish("KILLED", timeout_s=min(finish_timeout, 10.0))
+        return JobResult(EXIT_INTERRUPTED, None, run_dir, run.step)
+    except ConfigError:
+        tracker.finish("FAILED", timeout_s=finish_timeout)
+        raise
+    except Exception:
+        log.error("the training function raised at step %d:\n%s", run.step, traceback.format_exc())
+        tracker.finish("FAILED", timeout_s=finish_timeout)
+        return JobResult(EXIT_FAILED, None, run_dir, run.step)
+    finally:
+        if installed:
+            stop.uninstall()
+
+    if run.evicted:
+        ck = run.latest_checkpoint
+        log.warning("evicted at step %d (%s); newest checkpoint: %s; run the same job again to resume",
+                    run.step, stop.reason, ck.path if ck else "none")
+        tracker.set_tags({"gwenlake.evicted_at_step": str(run.step)})
+        tracker.finish("KILLED", timeout_s=min(finish_timeout, 20.0))
+        return JobResult(EXIT_EVICTED, None, run_dir, run.step)
+
+    metrics = result if isinstance(result, Mapping) else run.summary()
+    try:
+        metrics = {str(k): float(v) for k, v in metrics.items()}
+    except (TypeError, ValueError) as exc:
+        tracker.finish("FAILED", timeout_s=finish_timeout)
+        raise ConfigError(f"{tf.target} returned {result!r}: return a dict of numbers (or None)") from exc
+    tracker.log_metrics(metrics, run.step)
+
+    lineage = {
+        "model": model_name, "run_name": run_name, "run_key": key, "target": tf.target,
+        "datasets": dataset_facts, "init_models": model_versions,
+        "code": {"commit": code.commit, "dirty": code.dirty, "repo": str(code.repo_root) if code.repo_root else None},
+        "config": {"params": params, "seed": seed, "steps": steps, "epochs": epochs, "eval_every": eval_every},
+        "tracking": {"run_id": tracker.run_id, "experiment": model_name} if tracking_on else None,
+        "final_step": run.step,
+        "starts": info["starts"],
+        "packages": _package_versions(),
+    }
+    out_dir = run_dir / "output"
+    try:
+        repo = open_model_repo(repo_path or default_model_repo(Path.cwd()))
+        same_repo = code.repo_root is not None and Path(repo.working_dir).resolve() == code.repo_root.resolve()
+        version = commit_model(
+            repo, model_name, out_dir,
+            message=f"{model_name}: {run_name} at step {run.step}\n\n"
+                    + "".join(f"{k}: {v:.6g}\n" for k, v in sorted(metrics.items())),
+            code_commit=code.commit if same_repo else None,
+            extra_files={"metrics.json": (json.dumps(metrics, indent=2, sort_keys=True) + "\n").encode(),
+                         "lineage.json": (json.dumps(lineage, indent=2, sort_keys=True, default=str) + "\n").encode()},
+        )
+    except Exception as exc:
+        log.error("the model could not be committed (%s); its files are kept in %s: commit them with "
+                  "`python -m gwenlake_hpc models commit %s %s`", exc, out_dir, out_dir, model_name)
+        tracker.finish("FAILED", timeout_s=finish_timeout)
+        return JobResult(EXIT_FAILED, None, run_dir, run.step)
+
+    tracker.set_tags({"gwenlake.version": version})
+    info["completed"] = {"steps": steps, "epochs": epochs, "final_step": run.step, "version": version,
+                         "time": time.time()}
+    write_json_atomic(info_path, info)
+    tracker.finish("FINISHED", timeout_s=finish_timeout)
+    print(f"model {model_name} version {version}", flush=True)
+    return JobResult(0, version, run_dir, run.step)
+
+
+def _package_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version(), "gwenlake_hpc": __version__}
+    for name in ("torch", "numpy", "h5py", "safetensors", "mlflow"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out

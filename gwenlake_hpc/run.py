@@ -1,0 +1,367 @@
+"""The Run: a thin owner of the training loop.
+
+It numbers steps, feeds batches, fast-forwards on a resume without reading the skipped data, turns a stop
+request into an ordinary end of loop between two steps, writes atomic checkpoints that carry its own state,
+and forwards metrics to tracking without slowing the loop.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from .checkpoint import Checkpoint, CheckpointStore, PendingCheckpoint
+from .errors import ConfigError
+from .progress import Progress
+from .signals import StopRequest
+
+log = logging.getLogger("gwenlake_hpc.run")
+
+
+# --- RNG state ------------------------------------------------------------------------------------------------
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy (global), torch CPU and (if initialised) CUDA RNG states, as JSON-able values."""
+    py = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_kind, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, gauss_np = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss_np))
+    raw = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
+    torch.set_rng_state(torch.from_numpy(raw))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = [torch.from_numpy(np.frombuffer(base64.b64decode(s), dtype=np.uint8).copy()) for s in state["cuda"]]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            log.warning("checkpoint has CUDA RNG states for %d devices, this node has %d: not restored",
+                        len(cuda), torch.cuda.device_count())
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's global and torch's (all devices) RNGs."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# --- the checkpoint handle users see -------------------------------------------------------------------------
+
+class CheckpointWriter:
+    """What ``with run.checkpoint() as ck`` gives: a place for files and for metrics.
+
+    Attributes:
+        step: the step being checkpointed (steps completed).
+        dir: the (temporary) directory the files go to until the block ends.
+        metrics: set it to a dict of floats (e.g. ``{"test_auc": 0.84}``): stored in the manifest and logged
+            to tracking at this step.
+    """
+
+    def __init__(self, pending: PendingCheckpoint):
+        self._pending = pending
+        self.step = pending.step
+        self.dir = pending.dir
+        self.metrics: dict[str, float] = {}
+
+    def path(self, name: str) -> Path:
+        """Path for file ``name`` in the checkpoint; see :meth:`PendingCheckpoint.path`."""
+        return self._pending.path(name)
+
+
+class Run:
+    """Owns the loop of one training; passed to the decorated function as ``run``.
+
+    Built by the job (``gwenlake_hpc.job``), not by user code.
+
+    Args:
+        run_dir: the run directory on the shared filesystem.
+        run_key: the run's key (checkpoints of another key are never read).
+        steps: total steps, or None when ``epochs`` sets the length.
+        epochs: number of epochs over the batches given to :meth:`steps`, or None.
+        eval_every: a step that is a multiple of it has ``at_eval`` true.
+        seed: the run's seed (batch order is a function of seed and epoch).
+        tracker: a ``gwenlake_hpc.tracking`` Tracker or NullTracker.
+        stop: the StopRequest the signal handlers set.
+        resume: ``"auto"`` (resume from the newest complete checkpoint) or ``"never"``.
+        progress: Progress mode (``auto``, ``bar``, ``lines``, ``off``) and ``progress_every_s``.
+
+    Attributes read by user code: ``resumed``, ``resume_path``, ``start_step``, ``step``, ``epoch``,
+    ``at_eval``, ``stopping``, ``evicted``, ``total_steps``, ``run_dir``, ``seed``.
+    """
+
+    def __init__(self, *, run_dir: Path, run_key: str, steps: int | None, epochs: int | None, eval_every: int,
+                 seed: int, tracker: Any, stop: StopRequest, resume: str = "auto", progress: str = "auto",
+                 progress_every_s: float = 30.0):
+        if steps is not None and steps < 0:
+            raise ConfigError(f"job.steps={steps}: must be >= 0")
+        if epochs is not None and epochs < 1:
+            raise ConfigError(f"job.epochs={epochs}: must be >= 1")
+        if eval_every is None or eval_every < 1:
+            raise ConfigError(f"job.eval_every={eval_every}: must be >= 1")
+        self.run_dir = Path(run_dir)
+        self.run_key = run_key
+        self.seed = seed
+        self.eval_every = int(eval_every)
+        self.epochs = epochs
+        self._steps_setting = steps
+        self.total_steps: int | None = steps
+        self.tracker = tracker
+        self._stop = stop
+        self._progress_mode = progress
+        self._progress_every_s = progress_every_s
+        self.store = CheckpointStore(self.run_dir / "checkpoints", run_key)
+        removed = self.store.clean_partials()
+        if removed:
+            log.info("removed %d partial checkpoint(s) left by an interrupted writer", len(removed))
+
+        latest = self.store.latest() if resume == "auto" else None
+        if resume not in ("auto", "never"):
+            raise ConfigError(f"job.resume={resume!r}: use 'auto' or 'never'")
+        if resume == "never" and self.store.complete():
+            raise ConfigError(f"job.resume=never but {self.store.root} already holds checkpoints of this run; "
+                              "nothing is deleted: move them away or use job.resume=auto")
+        self._resumed_from: Checkpoint | None = latest
+        self._run_state = latest.run_state() if latest else None
+        self.start_step = latest.step if latest else 0
+        self.step = self.start_step
+        self.epoch = 0
+        self.at_eval = False
+        self.stopping = False
+        self.evicted = False
+        self.latest_checkpoint: Checkpoint | None = latest
+        self._checkpoint_step: int | None = None
+        self._iterated = False
+        self._summary: dict[str, float] = {}
+        self._progress: Progress | None = None
+
+    # -- resume facts ------------------------------------------------------------------------------------------
+    @property
+    def resumed(self) -> bool:
+        """True when a complete checkpoint of this run was found and the loop continues after it."""
+        return self._resumed_from is not None
+
+    @property
+    def resume_path(self) -> Path | None:
+        """Directory of the newest complete checkpoint (load your files from it), or None."""
+        return self._resumed_from.path if self._resumed_from else None
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once a termination signal (or another stop request) arrived."""
+        return self._stop.requested
+
+    def steps_for(self, rows: int, batch_size: int, drop_last: bool = False) -> int:
+        """Steps this run takes over ``rows`` rows in batches of ``batch_size``.
+
+        ``ceil(rows / batch_size)`` (``floor`` with ``drop_last``) batches per epoch, times ``epochs`` (1 when the
+        run is set by ``steps``). Useful for LR schedules that need the total length.
+        """
+        per_epoch = rows // batch_size if drop_last else math.ceil(rows / batch_size)
+        return per_epoch * (self.epochs or 1)
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def _resolve_total(self, batches: Any) -> tuple[int, int | None]:
+        per_epoch = len(batches) if batches is not None and hasattr(batches, "__len__") else None
+        if per_epoch == 0:
+            raise ConfigError("run.steps(): the batches are empty (0 batches per epoch)")
+        if self._steps_setting is not None:
+            total = self._steps_setting
+        elif self.epochs is not None:
+            if per_epoch is None:
+                raise ConfigError("job.epochs is set but run.steps() got batches of unknown length; "
+                                  "set job.steps instead")
+            total = self.epochs * per_epoch
+        elif per_epoch is not None:
+            total = per_epoch
+        else:
+            raise ConfigError("the training length is unknown: set job.steps or job.epochs")
+        return total, per_epoch
+
+    def _batch_stream(self, batches: Any, per_epoch: int | None, start: int) -> Iterator[tuple[int, Any]]:
+        """Yield ``(epoch, batch)`` from global batch index ``start`` on, forever."""
+        if batches is None:
+            while True:
+                yield 0, None
+        if hasattr(batches, "epoch") and per_epoch:
+            # gwenlake Batches: the data position is computed, skipped batches are never read.
+            epoch, pos = divmod(start, per_epoch)
+            while True:
+                for b in batches.epoch(epoch, start=pos, seed=self.seed):
+                    yield epoch, b
+                epoch, pos = epoch + 1, 0
+        # Any other re-iterable (a list, a DataLoader): skipping means reading.
+        if start:
+            log.warning("resuming at batch %d of a plain iterable: the skipped batches are read and dropped; "
+                        "use Input(...).batches() to resume without reading them", start)
+        epoch, pos = (divmod(start, per_epoch) if per_epoch else (0, start))
+        while True:
+            produced = 0
+            for i, b in enumerate(batches):
+                produced += 1
+                if i < pos:
+                    continue
+                yield epoch, b
+            if produced == 0:
+                raise ConfigError("run.steps(): the batches yielded nothing")
+            if per_epoch is None and pos >= produced:
+                pos -= produced
+            else:
+                pos = 0
+            epoch += 1
+
+    def steps(self, batches: Iterable[Any] | None = None) -> Iterator[tuple[int, Any]]:
+        """Iterate the training: yields ``(step, batch)`` for steps ``start_step + 1 .. total``.
+
+        Args:
+            batches: ``Input(...).batches(...)`` (resumable without reading skipped data; epochs repeat with a
+                new order), any re-iterable of batches (repeated over epochs; a resume reads the skipped
+                ones), or None (the batch is None, for trainings that make their own data).
+
+        Before each step ``at_eval`` is fixed: true at multiples of ``eval_every``, at the last step, and when
+        a stop request arrived before the step was yielded (that step is then the last, with ``stopping``).
+        A stop request that arrives during step k ends the loop after k when k wrote a checkpoint, else after
+        one more step k+1 yielded with ``at_eval`` and ``stopping`` true. After such an end ``evicted`` is true.
+
+        Raises:
+            ConfigError: the length is unknown (no steps/epochs and no ``len``), or the batches are empty.
+            RuntimeError: iterated a second time.
+        """
+        if self._iterated:
+            raise RuntimeError("run.steps() can be iterated once per training")
+        self._iterated = True
+        total, per_epoch = self._resolve_total(batches)
+        self.total_steps = total
+        if self._run_state is not None:
+            set_rng_state(self._run_state["rng"])
+        if self.resumed:
+            log.info("resuming from step %d (%s)", self.start_step, self.resume_path)
+        if self.start_step >= total:
+            if self.start_step > total:
+                log.warning("checkpoint at step %d is beyond the %d steps asked for: nothing to train",
+                            self.start_step, total)
+            return
+        self._progress = Progress(total, self.start_step, self._progress_mode, self._progress_every_s)
+        stream = self._batch_stream(batches, per_epoch, self.start_step)
+        step = self.start_step
+        try:
+            while step < total:
+                step += 1
+                final = self._stop.requested
+                epoch, batch = next(stream)
+                self.step, self.epoch = step, epoch
+                self.stopping = final
+                self.at_eval = final or step % self.eval_every == 0 or step == total
+                yield step, batch
+                self._progress.update(step)
+                if final:
+                    self.evicted = True
+                    if self._checkpoint_step != step:
+                        log.warning("stopped at step %d without a checkpoint of it: write one when run.at_eval "
+                                    "is true, or the work since the last checkpoint is redone", step)
+                    break
+                if self._stop.requested and step < total and self._checkpoint_step == step:
+                    self.evicted = True
+                    break
+        finally:
+            self.at_eval = self.stopping = False
+            if self._progress is not None:
+                self._progress.close()
+            if self.evicted:
+                log.warning("stop requested (%s): loop ended after step %d", self._stop.reason, self.step)
+
+    # -- metrics ------------------------------------------------------------------------------------------------
+    def log(self, metrics: Mapping[str, Any], step: int | None = None, tags: Mapping[str, Any] | None = None) -> None:
+        """Record metric values for a step (default: the current step); never blocks on tracking.
+
+        Args:
+            metrics: name -> number (Python float/int, numpy scalar or one-element tensor; note that reading
+                a CUDA tensor synchronises the device).
+            step: the step the values belong to (default ``run.step``).
+            tags: qualifiers such as ``{"split": "test", "class": "churn"}``; they become part of the metric
+                name, sorted by tag name: ``auc/class=churn/split=test``.
+        """
+        step = self.step if step is None else int(step)
+        suffix = "".join(f"/{k}={v}" for k, v in sorted(tags.items())) if tags else ""
+        values = {}
+        for k, v in metrics.items():
+            values[f"{k}{suffix}"] = float(v.item() if hasattr(v, "item") else v)
+        self._summary.update(values)
+        if self._progress is not None and "loss" in values:
+            self._progress.loss = values["loss"]
+        self.tracker.log_metrics(values, step)
+
+    def summary(self) -> dict[str, float]:
+        """The latest value of every metric logged in this process, plus ``step`` (the last step done)."""
+        return {**self._summary, "step": float(self.step)}
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def state_dict(self, per_epoch: int | None = None) -> dict[str, Any]:
+        """The Run's own state saved in every checkpoint."""
+        return {
+            "run_key": self.run_key,
+            "step": self.step,
+            "epoch": self.epoch,
+            "data_position": {"epoch": self.epoch, "next_global_batch": self.step},
+            "seed": self.seed,
+            "total_steps": self.total_steps,
+            "rng": rng_state(),
+            "tracking_run_id": getattr(self.tracker, "run_id", None),
+            "time": time.time(),
+        }
+
+    @contextlib.contextmanager
+    def checkpoint(self, keep: int | None = None) -> Iterator[CheckpointWriter]:
+        """Write a checkpoint of the current step, atomically.
+
+        Put your files at ``ck.path(name)`` inside the block; set ``ck.metrics`` to attach metrics. When the
+        block ends normally the Run adds its own state, every file is fsynced, a manifest with sha256 sums is
+        written and the directory renamed into place; then all but the newest ``keep`` complete checkpoints of
+        this run are deleted (None keeps all). If the block raises, nothing is kept.
+
+        Raises:
+            ConfigError: ``keep`` < 1, or a bad file name.
+        """
+        if keep is not None and int(keep) < 1:
+            raise ConfigError(f"run.checkpoint(keep={keep}): keep must be at least 1 (or None to keep all)")
+        pending = self.store.begin(self.step)
+        writer = CheckpointWriter(pending)
+        try:
+            yield writer
+        except BaseException:
+            pending.abort()
+            raise
+        pending.metrics = {k: float(v) for k, v in writer.metrics.items()}
+        ck = pending.commit(self.state_dict())
+        self.latest_checkpoint = ck
+        self._checkpoint_step = self.step
+        if writer.metrics:
+            self.log(writer.metrics)
+        # Points up to this checkpoint become durable with it: a SIGKILL later loses none of them (the
+        # steps after it are replayed on resume). Bounded wait; see Tracker.flush.
+        flush = getattr(self.tracker, "flush", None)
+        if flush is not None:
+            flush(timeout_s=5.0)
+        if keep is not None:
+            self.store.retain(int(keep))

@@ -1,0 +1,78 @@
+"""Eviction: termination signals become a flag that the training loop reads between two steps.
+
+SLURM sends SIGTERM on preemption and scancel, and the ``--signal`` of the job (SIGUSR2 here) ahead of the time
+limit; Ctrl-C sends SIGINT. The handlers only record which signal arrived and when: no I/O, no exit, no
+exception inside a step. A second Ctrl-C raises KeyboardInterrupt, for a person who really wants out now.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from types import FrameType
+
+#: Signals that ask a training to stop at the next step boundary.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
+
+
+class StopRequest:
+    """A stop flag set by signal handlers (or by :meth:`request`), read by the Run between steps.
+
+    Attributes:
+        signum: the first signal received (``signal.Signals``), or None.
+        received_at: ``time.monotonic()`` when it arrived, or None.
+        reason: a short text for logs (``"SIGTERM"``, or the reason given to :meth:`request`).
+    """
+
+    def __init__(self) -> None:
+        self.signum: signal.Signals | None = None
+        self.received_at: float | None = None
+        self.reason: str | None = None
+        self._previous: dict[int, object] = {}
+        self._sigints = 0
+
+    @property
+    def requested(self) -> bool:
+        """True once a stop was asked for."""
+        return self.reason is not None
+
+    def request(self, reason: str) -> None:
+        """Ask for a stop without a signal (tests, other ranks, a programme's own logic)."""
+        if self.reason is None:
+            self.received_at = time.monotonic()
+            self.reason = reason
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT:
+            self._sigints += 1
+            if self._sigints > 1:
+                raise KeyboardInterrupt
+        if self.reason is None:
+            self.signum = signal.Signals(signum)
+            self.received_at = time.monotonic()
+            self.reason = self.signum.name
+
+    def install(self, signals: tuple[int, ...] = STOP_SIGNALS) -> bool:
+        """Install the handlers; the previous ones are kept for :meth:`uninstall`.
+
+        Returns False (and installs nothing) outside the main thread, where Python cannot set handlers.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for s in signals:
+            self._previous[s] = signal.signal(s, self._handle)
+        return True
+
+    def uninstall(self) -> None:
+        """Restore the handlers that were there before :meth:`install`."""
+        for s, h in self._previous.items():
+            signal.signal(s, h)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def __enter__(self) -> "StopRequest":
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()

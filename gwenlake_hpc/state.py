@@ -1,0 +1,200 @@
+"""One-line, exactly restorable training state in a safetensors file.
+
+safetensors stores flat ``name -> tensor`` maps with ``str -> str`` metadata. It refuses what a PyTorch
+training state is made of: optimizer state dicts (nested, integer keys, Python scalars and tuples), scheduler
+state, non-string metadata and tensors that share storage (tied weights). ``save_state`` flattens all of that:
+tensors go into the file under their path, everything else into one JSON document in the metadata, with
+dict key types and tuples preserved so ``load_state`` rebuilds the exact same objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save
+
+from .errors import CheckpointError
+from .fsutil import write_atomic
+
+_META_KEY = "gwenlake_state"
+_FORMAT = 1
+
+
+def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
+               optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+               extra: Mapping[str, Any] | None = None) -> Path:
+    """Write a model, optimizer, LR scheduler and extra values into one safetensors file.
+
+    Args:
+        path: destination file (conventionally ``*.safetensors``). Written to a temporary file beside it,
+            fsynced, then renamed, so a reader never sees half a file.
+        model: its ``state_dict()`` is stored; tied (shared) weights are stored once and restored under
+            every name.
+        optimizer: its ``state_dict()`` (tensors such as ``exp_avg``, plus ``step`` and ``param_groups``).
+        scheduler: anything with ``state_dict()``/``load_state_dict()`` (LR schedulers, GradScaler).
+        extra: further values: tensors, numpy arrays, and JSON-able Python values (int, float, str, bool,
+            None, lists, tuples, dicts with str/int keys).
+
+    Tensors are copied to the CPU; dtypes and shapes are kept exactly.
+
+    Returns:
+        The path written.
+
+    Raises:
+        CheckpointError: a value is neither a tensor nor JSON-able (the message names its path).
+    """
+    parts: dict[str, Any] = {}
+    if model is not None:
+        parts["model"] = model.state_dict()
+    if optimizer is not None:
+        parts["optimizer"] = optimizer.state_dict()
+    if scheduler is not None:
+        parts["scheduler"] = scheduler.state_dict()
+    if extra is not None:
+        parts["extra"] = dict(extra)
+
+    tensors: dict[str, torch.Tensor] = {}
+    structure = _encode(parts, "", tensors)
+    tensors, aliases = _unshare(tensors)
+    meta = {_META_KEY: json.dumps({"format": _FORMAT, "structure": structure, "aliases": aliases})}
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Serialise in memory, then one atomic write: a reader never sees half a file.
+    return write_atomic(path, save(tensors, metadata=meta))
+
+
+def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
+               optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+               strict: bool = True, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Restore what :func:`save_state` wrote into the given objects.
+
+    Args:
+        path: a file written by :func:`save_state`.
+        model, optimizer, scheduler: restored in place with their ``load_state_dict`` when given (the
+            optimizer moves its state to its parameters' device itself).
+        strict: passed to ``model.load_state_dict``.
+        map_location: device the tensors are loaded to before being copied into the objects.
+
+    Returns:
+        The ``extra`` mapping as saved (tensors, numpy arrays as tensors, Python values); empty if none.
+
+    Raises:
+        CheckpointError: the file is missing, not a safetensors file, not written by save_state, or lacks a
+            part that was asked for (e.g. ``optimizer=`` given but no optimizer saved).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"state file {path} does not exist")
+    try:
+        tensors = load_file(str(path), device=str(map_location))
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+    except Exception as exc:  # safetensors raises its own error types
+        raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from exc
+    if _META_KEY not in meta:
+        raise CheckpointError(f"{path} was not written by gwenlake_hpc.save_state (no '{_META_KEY}' metadata)")
+    doc = json.loads(meta[_META_KEY])
+    for name, target in doc.get("aliases", {}).items():
+        tensors[name] = tensors[target]
+    parts = _decode(doc["structure"], tensors)
+
+    for key, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
+        if obj is None:
+            continue
+        if key not in parts:
+            raise CheckpointError(f"{path} holds no {key} state (it has: {', '.join(sorted(parts)) or 'nothing'})")
+        if key == "model":
+            obj.load_state_dict(parts[key], strict=strict)
+        else:
+            obj.load_state_dict(parts[key])
+    return parts.get("extra", {})
+
+
+# --- encoding -----------------------------------------------------------------------------------------------
+
+def _encode(value: Any, where: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """Replace tensors by references and make containers JSON-able without losing key or sequence types."""
+    if isinstance(value, torch.Tensor):
+        tensors[where] = value.detach()
+        return {"__tensor__": where}
+    if isinstance(value, np.ndarray):
+        tensors[where] = torch.from_numpy(np.ascontiguousarray(value))
+        return {"__ndarray__": where}
+    if isinstance(value, Mapping):
+        items = []
+        for k, v in value.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise CheckpointError(f"cannot store key {k!r} at '{where}': only str and int keys are supported")
+            items.append([k, _encode(v, f"{where}.{k}" if where else str(k), tensors)])
+        return {"__dict__": items}
+    if isinstance(value, (list, tuple)):
+        enc = [_encode(v, f"{where}.{i}", tensors) for i, v in enumerate(value)]
+        return {"__tuple__": enc} if isinstance(value, tuple) else enc
+    if isinstance(value, (np.generic,)):
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        # JSON has no NaN/inf; repr round-trips every finite float exactly.
+        return {"__float__": repr(value)}
+    raise CheckpointError(f"cannot store value of type {type(value).__name__} at '{where}': "
+                          "use tensors, numpy arrays or JSON-able Python values")
+
+
+def _decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            return tensors[value["__tensor__"]]
+        if "__ndarray__" in value:
+            return tensors[value["__ndarray__"]].numpy()
+        if "__tuple__" in value:
+            return tuple(_decode(v, tensors) for v in value["__tuple__"])
+        if "__float__" in value:
+            return float(value["__float__"])
+        if "__dict__" in value:
+            return {k: _decode(v, tensors) for k, v in value["__dict__"]}
+    return value
+
+
+def _unshare(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Make every tensor own its storage, as safetensors requires.
+
+    Exact aliases (same storage, offset, shape, stride and dtype: tied weights) are stored once and recorded
+    as aliases; other tensors that overlap a storage are cloned. Everything is moved to the CPU, contiguous.
+    """
+    out: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen_views: dict[tuple, str] = {}
+    storages: dict[tuple, int] = {}
+    for name, t in tensors.items():
+        if t.numel() == 0:
+            out[name] = t.detach().cpu().contiguous()
+            continue
+        storage_key = (t.device.type, t.device.index, t.untyped_storage().data_ptr())
+        view_key = storage_key + (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if view_key in seen_views:
+            aliases[name] = seen_views[view_key]
+            continue
+        seen_views[view_key] = name
+        storages[storage_key] = storages.get(storage_key, 0) + 1
+        out[name] = t
+    for name, t in list(out.items()):
+        if t.numel() == 0:
+            continue
+        shared = storages[(t.device.type, t.device.index, t.untyped_storage().data_ptr())] > 1
+        t = t.detach().cpu()
+        # A clone owns its storage; a CPU tensor that does not share still needs to be contiguous.
+        out[name] = t.clone(memory_format=torch.contiguous_format) if shared or not t.is_contiguous() else t
+        if out[name].untyped_storage().nbytes() != out[name].numel() * out[name].element_size():
+            out[name] = out[name].clone()
+    return out, aliases

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The test command: set-up (scripts/setup.sh), then the whole test suite against real services
+# (real git, real `mlflow server` processes started by the tests themselves).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+# One thread per process: two cores are shared by the tests' subprocesses.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
+exec .venv/bin/python -m pytest -q "$@"

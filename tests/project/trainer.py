@@ -1,0 +1,85 @@
+"""A small training used by the end-to-end tests (copied into a temporary project with its conf/).
+
+Test hooks come from environment variables, never from params, so they do not change the run key:
+  GWL_TEST_SIGTERM_AT=k       the process sends itself SIGTERM during step k (a real signal)
+  GWL_TEST_SIGKILL_IN_CKPT=k  SIGKILL half-way through writing the checkpoint of step k
+  GWL_TEST_PAUSE=k:reached:go at step k, create file `reached` and wait for file `go` (may repeat, ';'-separated)
+  GWL_TEST_SLEEP=s            sleep s seconds per step
+  GWL_TEST_BAD=escape|column  misuse the API on purpose
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gwenlake_hpc import Input, Output, load_state, save_state, train
+
+
+@dataclass
+class Params:
+    batch_size: int = 16
+    lr: float = 0.01
+    hidden: int = 8
+
+
+def _pauses():
+    out = {}
+    for item in filter(None, os.environ.get("GWL_TEST_PAUSE", "").split(";")):
+        step, reached, go = item.split(":")
+        out[int(step)] = (Path(reached), Path(go))
+    return out
+
+
+@train(data=Input("t.rows"), output=Output("t.model"), steps=60, eval_every=10)
+def fit(data, output, run, config: Params):
+    model = nn.Sequential(nn.Linear(4, config.hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(config.hidden, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=config.lr)
+    if run.resumed:
+        load_state(run.resume_path / "state.safetensors", model=model, optimizer=opt)
+    sigterm_at = int(os.environ.get("GWL_TEST_SIGTERM_AT", "-1"))
+    kill_at = int(os.environ.get("GWL_TEST_SIGKILL_IN_CKPT", "-1"))
+    sleep_s = float(os.environ.get("GWL_TEST_SLEEP", "0"))
+    pauses = _pauses()
+    columns = ["x", "y", "nope"] if os.environ.get("GWL_TEST_BAD") == "column" else ["x", "y"]
+    for step, batch in run.steps(data.batches(config.batch_size, columns=columns)):
+        loss = nn.functional.mse_loss(model(batch["x"]).squeeze(-1), batch["y"])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        run.log({"loss": loss.item()})
+        if step == sigterm_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if step in pauses:
+            reached, go = pauses[step]
+            reached.touch()
+            while not go.exists():
+                time.sleep(0.05)
+        if sleep_s:
+            time.sleep(sleep_s)
+        if run.at_eval:
+            with run.checkpoint(keep=3) as ck:
+                path = ck.path("state.safetensors")
+                save_state(path, model=model, optimizer=opt)
+                if step == kill_at:
+                    # Leave a torn file behind, then die without any chance to clean up.
+                    data_bytes = path.read_bytes()
+                    path.write_bytes(data_bytes[: len(data_bytes) // 2])
+                    os.kill(os.getpid(), signal.SIGKILL)
+                ck.metrics = {"train_loss": loss.item()}
+    if run.evicted:
+        return None
+    if os.environ.get("GWL_TEST_BAD") == "escape":
+        output.file("../escaped.txt").write_text("must not happen")
+    save_state(output.file("model.safetensors"), model=model)
+    model.eval()
+    with torch.no_grad():
+        full = data.read(["x", "y"])
+        mse = nn.functional.mse_loss(model(torch.from_numpy(full["x"])).squeeze(-1), torch.from_numpy(full["y"]))
+    return {"final_loss": mse.item()}

@@ -1,0 +1,82 @@
+"""Bad input: a clear error naming the field, exit status 2, and nothing deleted."""
+
+from __future__ import annotations
+
+import hashlib
+
+import h5py
+import numpy as np
+import pytest
+
+
+def snapshot(root):
+    """sha256 of every file under runs/ and the model branch: what must survive a bad command."""
+    out = {}
+    for p in sorted((root / "runs").rglob("*")):
+        # run.json records each start; checkpoints and outputs are what must not change
+        if p.is_file() and p.name not in ("mlflow.db", "run.json"):
+            out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+@pytest.fixture
+def trained(project):
+    project.run("+job=t", "job.tracking=false", check=0)
+    return project
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["+job=nope"], "job/nope"),
+    (["+job=t", "job.bogus=1"], "bogus"),
+    (["+job=t", "paths.nope=x"], "nope"),
+    (["+job=t", "job.steps=many"], "steps"),
+    (["+job=t", "job.params.nope=1"], "job.params.nope"),
+    (["+job=t", "job.params.lr=fast"], "job.params.lr"),
+    (["+job=t", "job.resume=maybe"], "resume"),
+    (["+job=t", "tracking.uri=file:///tmp/mlruns"], "tracking.uri"),
+    (["+job=t", "job.target=trainer.py:nothing"], "nothing"),
+    (["+job=t", "job.target=no_such_module:fit"], "no_such_module"),
+    ([], "+job=NAME"),
+])
+def test_config_errors_exit_2_and_delete_nothing(trained, args, needle):
+    before = snapshot(trained.root)
+    proc = trained.run(*args, "job.tracking=false" if "tracking.uri" not in " ".join(args) else "job.tracking=true")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert needle in proc.stdout + proc.stderr
+    assert snapshot(trained.root) == before
+
+
+def test_missing_dataset(trained):
+    before = snapshot(trained.root)
+    proc = trained.run("+job=t", "paths.data_root=elsewhere", "job.tracking=false")
+    assert proc.returncode == 2
+    assert "t.rows" in proc.stderr + proc.stdout and "data import" in proc.stderr + proc.stdout
+    assert snapshot(trained.root) == before
+
+
+def test_missing_column(trained):
+    before = snapshot(trained.root)
+    proc = trained.run("+job=t", "job.tracking=false", "job.steps=70", env={"GWL_TEST_BAD": "column"})
+    assert proc.returncode == 2
+    assert "nope" in proc.stderr + proc.stdout
+    assert snapshot(trained.root) == before
+
+
+def test_ragged_dataset(project):
+    path = project.root / "data" / "t" / "rows.h5"
+    with h5py.File(path, "a") as f:
+        del f["y"]
+        f["y"] = np.zeros(150, dtype=np.float32)
+    proc = project.run("+job=t", "job.tracking=false")
+    assert proc.returncode == 2
+    assert "150" in proc.stderr + proc.stdout and "200" in proc.stderr + proc.stdout
+
+
+def test_output_path_escape(project):
+    proc = project.run("+job=t", "job.tracking=false", env={"GWL_TEST_BAD": "escape"})
+    assert proc.returncode == 2
+    assert "escapes" in proc.stderr + proc.stdout
+    assert not list(project.root.rglob("escaped.txt"))
+    # the final checkpoint is kept: a corrected rerun trains nothing and commits
+    again = project.run("+job=t", "job.tracking=false", check=0)
+    assert "resuming from step 60" in again.stdout + again.stderr

@@ -1,0 +1,151 @@
+"""End-to-end: whole jobs in subprocesses, with real signals, a real SQLite MLflow store and real git."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from safetensors.torch import load_file
+
+VERSION_PREFIX = "model t.model version "
+
+
+def version_of(proc) -> str:
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith(VERSION_PREFIX), proc.stdout + proc.stderr
+    sha = last[len(VERSION_PREFIX):]
+    assert len(sha) == 40
+    return sha
+
+
+def run_dir_of(project, runs="runs") -> Path:
+    dirs = list((project.root / runs / "t.model").iterdir())
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def weights_at(project, sha):
+    raw = subprocess.run(["git", "cat-file", "blob", f"{sha}:t/model/model.safetensors"],
+                                       cwd=project.root, capture_output=True, check=True).stdout
+    path = project.root / f"w-{sha[:8]}.safetensors"
+    path.write_bytes(raw)
+    return load_file(str(path))
+
+
+def mlflow_runs(project, runs="runs"):
+    client = MlflowClient(f"sqlite:///{project.root / runs / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("t.model")
+    return client, client.search_runs([exp.experiment_id])
+
+
+def assert_one_point_per_step(client, run_id, key, steps):
+    history = client.get_metric_history(run_id, key)
+    assert sorted(m.step for m in history) == list(steps)
+
+
+def test_sigterm_at_random_step_resumes_bit_identical(project):
+    ref = project.run("+job=t", "paths.runs_root=ref", check=0)
+    ref_version = version_of(ref)
+
+    k = random.Random().randint(3, 57)
+    print("SIGTERM during step", k)
+    evicted = project.run("+job=t", env={"GWL_TEST_SIGTERM_AT": str(k)}, check=75)
+    assert VERSION_PREFIX not in evicted.stdout
+    run_dir = run_dir_of(project)
+    newest = sorted(p.name for p in (run_dir / "checkpoints").iterdir())[-1]
+    # the step in progress had a checkpoint (k multiple of 10) or one more step was made to write one
+    evict_step = k if k % 10 == 0 else k + 1
+    assert newest == f"step-{evict_step:09d}"
+    client, runs = mlflow_runs(project)
+    assert [r.info.status for r in runs] == ["KILLED"]
+
+    resumed = project.run("+job=t", check=0)
+    assert "resuming from step" in resumed.stdout + resumed.stderr
+    version = version_of(resumed)
+    a, b = weights_at(project, ref_version), weights_at(project, version)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+    client, runs = mlflow_runs(project)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].data.tags["gwenlake.version"] == version
+    assert_one_point_per_step(client, runs[0].info.run_id, "loss", range(1, 61))
+    # checkpoint metrics: every eval step, plus the checkpoint written on eviction
+    assert_one_point_per_step(client, runs[0].info.run_id, "train_loss", sorted({*range(10, 61, 10), evict_step}))
+
+    lineage = json.loads(project.git("show", f"{version}:t/model/lineage.json"))
+    assert lineage["final_step"] == 60 and len(lineage["starts"]) == 2
+    assert lineage["code"]["commit"] == project.git("rev-parse", "HEAD")
+    assert lineage["tracking"]["run_id"] == runs[0].info.run_id
+    metrics = json.loads(project.git("show", f"{version}:t/model/metrics.json"))
+    assert set(metrics) == {"final_loss"}
+    # the version is built on the code commit: checking it out gives the code and the model
+    assert project.git("show", f"{version}:trainer.py") == (project.root / "trainer.py").read_text().strip()
+
+    again = project.run("+job=t", check=0)
+    assert version_of(again) == version
+    assert "nothing to train" in again.stdout + again.stderr
+
+
+def test_external_sigterm_during_run(project):
+    proc = project.popen("+job=t", "job.steps=400", env={"GWL_TEST_SLEEP": "0.01"})
+    ck_dir = project.root / "runs" / "t.model"
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(ck_dir.glob("*/checkpoints/step-000000020")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out + err
+    assert "evicted at step" in out + err
+    resumed = project.run("+job=t", "job.steps=400", check=0)
+    assert "resuming from step" in resumed.stdout + resumed.stderr
+    client, runs = mlflow_runs(project)
+    assert_one_point_per_step(client, runs[0].info.run_id, "loss", range(1, 401))
+
+
+def test_sigkill_while_writing_checkpoint_uses_previous(project):
+    ref_version = version_of(project.run("+job=t", "paths.runs_root=ref", check=0))
+    killed = project.run("+job=t", env={"GWL_TEST_SIGKILL_IN_CKPT": "30"})
+    assert killed.returncode == -signal.SIGKILL
+    ck = run_dir_of(project) / "checkpoints"
+    names = sorted(p.name for p in ck.iterdir())
+    assert "step-000000020" in names and "step-000000030" not in names
+    assert any(n.startswith(".partial-000000030") for n in names)  # the torn one, never loaded
+
+    resumed = project.run("+job=t", check=0)
+    log = resumed.stdout + resumed.stderr
+    assert "resuming from step 20" in log
+    assert not any(p.name.startswith(".partial") for p in ck.iterdir())
+    a, b = weights_at(project, ref_version), weights_at(project, version_of(resumed))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    client, runs = mlflow_runs(project)
+    assert len(runs) == 1
+    assert_one_point_per_step(client, runs[0].info.run_id, "loss", range(1, 61))
+
+
+def test_longer_steps_extends_finished_run_and_params_start_new(project):
+    v1 = version_of(project.run("+job=t", check=0))
+    v2 = version_of(project.run("+job=t", "job.steps=80", check=0))
+    assert v2 != v1
+    assert project.git("rev-parse", f"{v2}^") == v1  # versions form the branch's history
+    assert project.git("rev-parse", "models/t.model") == v2
+    client, runs = mlflow_runs(project)
+    assert len(runs) == 1
+    assert_one_point_per_step(client, runs[0].info.run_id, "loss", range(1, 81))
+    project.run("+job=t", "job.params.lr=0.02", check=0)
+    assert len(list((project.root / "runs" / "t.model").iterdir())) == 2
+    # the user's working tree, index and branch were never touched
+    assert project.git("rev-parse", "--abbrev-ref", "HEAD") == "main"
+    assert project.git("status", "--porcelain", "--untracked-files=no") == ""
+
+
+def test_tracking_false_touches_no_store(project):
+    project.run("+job=t", "job.tracking=false", check=0)
+    assert not (project.root / "runs" / "mlflow.db").exists()
+    assert not (run_dir_of(project) / "tracking").exists()

@@ -1,0 +1,89 @@
+"""A real `mlflow server` (PostgreSQL-backed when PostgreSQL runs here, else SQLite) stopped during a job."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from mlflow import MlflowClient
+
+from mlflow_server import MlflowServer, drop_postgres_database, postgres_available, postgres_backend, sqlite_backend
+
+
+@pytest.fixture
+def server(tmp_path):
+    dbname = None
+    if postgres_available():
+        dbname = f"gwl_test_{uuid.uuid4().hex[:8]}"
+        backend = postgres_backend(dbname)
+    else:
+        backend = sqlite_backend(tmp_path)
+    srv = MlflowServer(backend, workdir=tmp_path / "mlflow").start()
+    yield srv
+    srv.stop(kill=True)
+    if dbname:
+        drop_postgres_database(dbname)
+
+
+def wait_for(path, timeout=120):
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def the_run(server):
+    client = MlflowClient(server.uri)
+    exp = client.get_experiment_by_name("t.model")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    return client, runs[0]
+
+
+def test_server_down_mid_run_all_points_arrive(project, server):
+    f = project.root
+    pause = f"50:{f}/reached1:{f}/go1;200:{f}/reached2:{f}/go2"
+    proc = project.popen("+job=t", "job.steps=300", f"tracking.uri={server.uri}", "tracking.flush_interval_s=0.2",
+                         env={"GWL_TEST_PAUSE": pause})
+    wait_for(f / "reached1")
+    server.stop(kill=True)  # outage from step 50 to step 200
+    (f / "go1").touch()
+    wait_for(f / "reached2")
+    spool = next((f / "runs" / "t.model").glob("*/tracking/spool.jsonl"))
+    assert spool.stat().st_size > 0  # points waited on disk during the outage
+    server.start()
+    (f / "go2").touch()
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out + err
+    assert "not answering" in err + out and "server back" in err + out
+    version = out.strip().splitlines()[-1].split()[-1]
+
+    client, run = the_run(server)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["gwenlake.version"] == version
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 301))
+    assert run.data.params["params.batch_size"] == "16"
+
+
+def test_server_down_at_end_then_tracking_sync(project, server):
+    f = project.root
+    proc = project.popen("+job=t", "job.steps=120", f"tracking.uri={server.uri}", "tracking.flush_interval_s=0.2",
+                         "tracking.finish_timeout_s=3", env={"GWL_TEST_PAUSE": f"100:{f}/reached:{f}/go"})
+    wait_for(f / "reached")
+    server.stop(kill=True)
+    (f / "go").touch()
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out + err  # the training and its commit do not depend on tracking
+    assert out.strip().splitlines()[-1].startswith("model t.model version ")
+    assert "tracking sync" in err + out
+    run_dir = next((f / "runs" / "t.model").iterdir())
+
+    server.start()
+    client, run = the_run(server)
+    assert run.info.status == "RUNNING"  # never FINISHED before every point arrived
+    synced = project.run("tracking", "sync", str(run_dir), check=0)
+    assert "remaining 0" in synced.stdout.replace(", 0 remaining", " remaining 0")
+    client, run = the_run(server)
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 121))

@@ -1,0 +1,145 @@
+"""Run: step numbering, at_eval, eviction at step boundaries, resume with computed data position."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from gwenlake_hpc.data import Catalog
+from gwenlake_hpc.errors import ConfigError
+from gwenlake_hpc.run import Run, seed_everything
+from gwenlake_hpc.signals import StopRequest
+
+
+class Recorder:
+    """Stands in for the MLflow tracker (tracking has its own real-server tests)."""
+
+    run_id = "rec"
+
+    def __init__(self):
+        self.points = []
+
+    def log_metrics(self, metrics, step):
+        self.points.append((step, dict(metrics)))
+
+
+def make_run(tmp_path, stop=None, **kw):
+    args = dict(run_dir=tmp_path / "run", run_key="k", steps=10, epochs=None, eval_every=4, seed=0,
+                tracker=Recorder(), stop=stop or StopRequest(), progress="off")
+    args.update(kw)
+    return Run(**args)
+
+
+def test_fresh_run_steps_and_at_eval(tmp_path):
+    run = make_run(tmp_path)
+    seen = [(step, run.at_eval, run.stopping) for step, _ in run.steps()]
+    assert [s for s, _, _ in seen] == list(range(1, 11))
+    assert [s for s, e, _ in seen if e] == [4, 8, 10]
+    assert not any(st for _, _, st in seen)
+    assert not run.evicted and not run.resumed and run.start_step == 0
+
+
+def test_stop_during_step_without_checkpoint_adds_a_final_step(tmp_path):
+    stop = StopRequest()
+    run = make_run(tmp_path, stop)
+    steps = []
+    for step, _ in run.steps():
+        steps.append(step)
+        if step == 3:
+            stop.request("test")
+        if step == 4:
+            assert run.at_eval and run.stopping
+            with run.checkpoint() as ck:
+                ck.path("w").write_text("4")
+    # stop arrived during 3 (no checkpoint) -> step 4 is the final step, with at_eval and stopping
+    assert steps == [1, 2, 3, 4]
+    assert run.evicted
+
+
+def test_stop_during_checkpointed_step_ends_after_it(tmp_path):
+    stop = StopRequest()
+    run = make_run(tmp_path, stop, eval_every=2)
+    steps = []
+    for step, _ in run.steps():
+        steps.append(step)
+        if run.at_eval:
+            stop.request("test") if step == 6 else None
+            with run.checkpoint():
+                pass
+    assert steps == [1, 2, 3, 4, 5, 6] and run.evicted
+
+
+def test_stop_before_step_makes_it_final(tmp_path, caplog):
+    stop = StopRequest()
+    run = make_run(tmp_path, stop)
+    flags = []
+    for step, _ in run.steps():
+        flags.append((step, run.at_eval, run.stopping))
+        if step == 2:
+            stop.request("test")  # arrives during 2; 2 has no checkpoint
+    assert flags[-1] == (3, True, True)
+    with caplog.at_level(logging.WARNING):
+        pass
+    assert run.evicted
+
+
+def test_final_step_without_checkpoint_warns(tmp_path, caplog):
+    stop = StopRequest()
+    stop.request("before start")
+    run = make_run(tmp_path, stop)
+    with caplog.at_level(logging.WARNING, logger="gwenlake_hpc.run"):
+        steps = [s for s, _ in run.steps()]
+    assert steps == [1] and run.evicted
+    assert "without a checkpoint" in caplog.text
+
+
+def test_resume_restores_step_rng_and_data_position(tmp_path):
+    catalog = Catalog(tmp_path / "data")
+    catalog.write("t.rows", {"idx": np.arange(100, dtype=np.int64)})
+    ds = catalog.open("t.rows")
+
+    def run_once(root, stop_at=None):
+        seed_everything(0)
+        run = make_run(root, steps=40, eval_every=5, seed=3)
+        seen, draws = [], []
+        for step, batch in run.steps(ds.batches(8, block_rows=16, buffer_blocks=2)):
+            seen.append((step, batch["idx"].tolist()))
+            draws.append(torch.rand(1).item())
+            if run.at_eval:
+                with run.checkpoint(keep=2):
+                    pass
+            if stop_at == step:
+                break
+        return run, seen, draws
+
+    _, full, full_draws = run_once(tmp_path / "a")
+    run1, first, _ = run_once(tmp_path / "b", stop_at=17)  # last checkpoint at 15
+    run2, second, second_draws = run_once(tmp_path / "b")
+    assert run2.resumed and run2.start_step == 15
+    assert second == full[15:]  # same batches from step 16 on, 13 batches/epoch so epochs cross
+    assert second_draws == full_draws[15:]  # torch RNG continues as if never stopped
+    assert sorted(i for _, b in full[:13] for i in b) == list(range(100))
+
+
+def test_epochs_length_and_errors(tmp_path):
+    run = make_run(tmp_path, steps=None, epochs=3)
+    assert [s for s, _ in run.steps([1, 2, 3, 4])][-1] == 12
+    assert run.steps_for(10, 4) == 9
+    with pytest.raises(ConfigError, match="job.steps or job.epochs"):
+        list(make_run(tmp_path / "x", steps=None).steps())
+    with pytest.raises(ConfigError, match="eval_every"):
+        make_run(tmp_path / "y", eval_every=0)
+    with pytest.raises(ConfigError, match="keep"):
+        r = make_run(tmp_path / "z")
+        with r.checkpoint(keep=0):
+            pass
+
+
+def test_log_tags_and_summary(tmp_path):
+    run = make_run(tmp_path, steps=2)
+    for step, _ in run.steps():
+        run.log({"loss": torch.tensor(0.5 * step)})
+    run.log({"auc": 0.8}, tags={"split": "test", "class": "churn"})
+    assert run.tracker.points[-1] == (2, {"auc/class=churn/split=test": 0.8})
+    assert run.summary()["loss"] == 1.0 and run.summary()["step"] == 2.0
