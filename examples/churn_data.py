@@ -6,7 +6,7 @@ one-hot encoding are fitted on the training split only, then applied to both.
 
 Datasets written (columns are equal-length HDF5 datasets):
     crm.churn-train / crm.churn-test:
-        features  float32 [rows, 45]  standardised numerics, 0/1 flags, one-hot categoricals
+        features  float32 [rows, 40]  standardised numerics, 0/1 flags, one-hot categoricals
         churn     float32 [rows]      1.0 = churned
         contract  utf-8 str [rows]    contract type, kept raw for per-slice evaluation
 """
