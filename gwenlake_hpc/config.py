@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -79,10 +79,10 @@ class JobConfig:
 
 @dataclass
 class LauncherConfig:
-    """How the job runs. ``local``: in this process.
+    """How the job runs. ``local`` (the default): in this process, as a plain loop.
 
     Attributes:
-        name: the launcher.
+        name: the launcher (``local`` or ``slurm``).
         progress: ``auto`` (bar on a terminal, log lines otherwise), ``bar``, ``lines`` or ``off``.
         progress_every_s: seconds between progress lines.
     """
@@ -93,20 +93,73 @@ class LauncherConfig:
 
 
 @dataclass
+class SlurmLauncherConfig(LauncherConfig):
+    """Submission to SLURM through submitit (``launcher=slurm``); see conf/launcher/slurm.yaml.
+
+    Attributes:
+        partition, account, qos, constraint, exclude: as sbatch's options of the same names.
+        timeout_min: time limit of each attempt (minutes).
+        nodes, tasks_per_node, cpus_per_task: as sbatch's ``--nodes``, ``--ntasks-per-node``,
+            ``--cpus-per-task``.
+        gpus_per_node: GPUs per node (``--gpus-per-node``); or ``gres`` such as ``gpu:a100:2``.
+        mem_gb: memory per node in GB.
+        signal_delay_s: seconds before the time limit at which SLURM sends SIGUSR2 (``--signal``).
+        max_retries: requeues after a time limit or a killed job step (preemptions are requeued by SLURM).
+        setup: shell lines run in the job before the training (module load, environment activation).
+        additional_parameters: further sbatch options, e.g. ``{mail-type: END}``.
+        env: environment variables for the job (not secret: they appear in the script).
+        secrets: names of environment variables read from the submitting environment at submission and
+            passed through a 0600 file, never through the script, logs, params, tags or commits.
+        folder: where submitit keeps scripts and logs; default ``<run_dir>/slurm``.
+        wait: block until the job ends and report its result.
+        dry_run: print the sbatch script that would be submitted, submit nothing.
+    """
+
+    name: str = "slurm"
+    progress: str = "lines"
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    timeout_min: int = 60
+    nodes: int = 1
+    tasks_per_node: int = 1
+    cpus_per_task: Optional[int] = None
+    gpus_per_node: Optional[int] = None
+    gres: Optional[str] = None
+    mem_gb: Optional[float] = None
+    constraint: Optional[str] = None
+    exclude: Optional[str] = None
+    signal_delay_s: int = 120
+    max_retries: int = 3
+    setup: List[str] = field(default_factory=list)
+    additional_parameters: Dict[str, Any] = field(default_factory=dict)
+    env: Dict[str, str] = field(default_factory=dict)
+    secrets: List[str] = field(default_factory=list)
+    folder: Optional[str] = None
+    wait: bool = False
+    dry_run: bool = False
+
+
+@dataclass
 class GwenlakeConfig:
     """The whole configuration of a run (``python -m gwenlake_hpc --cfg job`` prints it)."""
 
     job: JobConfig = field(default_factory=JobConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    launcher: Any = MISSING
 
 
 def register() -> None:
     """Register the schemas in Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
     cs.store(name="gwenlake_schema", node=GwenlakeConfig)
-    cs.store(group="launcher", name="local_schema", node=LauncherConfig, package="launcher")
+    # `*_schema` for conf/launcher/*.yaml files to extend; `local`/`slurm` so a project whose conf/ has no
+    # launcher files still gets them (a conf/launcher/slurm.yaml comes first in the search path).
+    cs.store(group="launcher", name="local_schema", node=LauncherConfig)
+    cs.store(group="launcher", name="slurm_schema", node=SlurmLauncherConfig)
+    cs.store(group="launcher", name="local", node=LauncherConfig)
+    cs.store(group="launcher", name="slurm", node=SlurmLauncherConfig)
 
 
 def conf_dir() -> Path:

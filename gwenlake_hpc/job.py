@@ -27,9 +27,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import __version__
-from .api import REGISTRY, Input, Model, Output, TrainFunction
+from .api import Input, Model, Output, TrainFunction
 from .data import Catalog
-from .errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, GwenlakeError
+from .errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError
 from .fsutil import read_json, write_json_atomic
 from .run import Run, seed_everything
 from .signals import StopRequest
@@ -171,7 +171,53 @@ def _setting(cfg_job: Any, defaults: Mapping[str, Any], key: str) -> Any:
     return defaults.get(key) if value is None else value
 
 
-def _execute(cfg: Any, stop: StopRequest) -> JobResult:
+@dataclass
+class JobPlan:
+    """Everything a job resolves before it trains: the function, its settings, bindings and run directory.
+
+    Built by :func:`plan` without writing anything but the datasets a ``prepare`` hook materialises, so a
+    launcher can print the run directory before submitting, and the job itself can run it.
+    """
+
+    cfg: Any
+    tf: TrainFunction
+    steps: int | None
+    epochs: int | None
+    eval_every: int
+    seed: int
+    run_name: str
+    resume: str
+    config_obj: Any
+    params: dict[str, Any]
+    tracking_uri: str | None
+    runs_root: Path
+    repo_path: Path | None
+    inputs: dict[str, Any]
+    datasets: dict[str, str]
+    dataset_facts: dict[str, Any]
+    model_versions: dict[str, str]
+    key: str
+    run_dir: Path
+
+    @property
+    def model_name(self) -> str:
+        return self.tf.output.name
+
+    @property
+    def tracking_on(self) -> bool:
+        return self.tracking_uri is not None
+
+    def model_repo(self, create: bool = True):
+        return open_model_repo(self.repo_path or default_model_repo(Path.cwd()), create=create)
+
+
+def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
+    """Resolve a composed config into a :class:`JobPlan`.
+
+    Raises:
+        ConfigError: no job, bad target, bad params, bad tracking URI, missing or malformed dataset,
+            unknown initial model version.
+    """
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.create(cfg)
     job = cfg.job
@@ -179,31 +225,23 @@ def _execute(cfg: Any, stop: StopRequest) -> JobResult:
         raise ConfigError("no job given: add +job=NAME (a file conf/job/NAME.yaml) or job.target=module:function")
     tf = load_target(job.target)
     d = tf.defaults
-    steps = _setting(job, d, "steps")
-    epochs = _setting(job, d, "epochs")
-    eval_every = _setting(job, d, "eval_every")
-    seed = int(_setting(job, d, "seed"))
-    run_name = job.get("model") or tf.run_name
-    tracking_on = bool(_setting(job, d, "tracking"))
-    resume = str(job.get("resume", "auto").value if hasattr(job.get("resume"), "value") else job.get("resume", "auto"))
+    resume = job.get("resume", "auto")
     params_cfg = OmegaConf.to_container(job.params, resolve=True) if job.get("params") is not None else {}
     config_obj, params = resolve_params(tf, params_cfg)
+    seed = int(_setting(job, d, "seed"))
+    run_name = job.get("model") or tf.run_name
 
     paths = cfg.paths
-    data_root = Path(paths.data_root).expanduser().resolve()
     runs_root = Path(paths.runs_root).expanduser().resolve()
-    catalog = Catalog(data_root)
-    model_name = tf.output.name
-
+    catalog = Catalog(Path(paths.data_root).expanduser().resolve())
     tracking_uri = None
-    if tracking_on:
+    if _setting(job, d, "tracking"):
         tracking_uri = validate_uri(cfg.tracking.uri) if cfg.tracking.get("uri") else default_uri(runs_root)
-
     if tf.prepare is not None:
         tf.prepare(catalog, config_obj)
 
     # Bindings: open inputs (revisions enter the run key) and resolve initial models.
-    kwargs: dict[str, Any] = {}
+    inputs: dict[str, Any] = {}
     datasets: dict[str, str] = {}
     dataset_facts: dict[str, Any] = {}
     model_versions: dict[str, str] = {}
@@ -211,29 +249,43 @@ def _execute(cfg: Any, stop: StopRequest) -> JobResult:
     for name, b in tf.bindings.items():
         if isinstance(b, Input):
             ds = catalog.open(b.name)
-            kwargs[name] = ds
+            inputs[name] = ds
             datasets[name] = f"{b.name}@{ds.revision}"
             dataset_facts[name] = {"name": b.name, "revision": ds.revision, "rows": ds.rows, "path": str(ds.path)}
         elif isinstance(b, Model):
-            repo = open_model_repo(repo_path or default_model_repo(Path.cwd()), create=False)
-            version = b.version
-            if version is None:
-                versions = list_versions(repo, b.name)
-                if not versions:
-                    raise ConfigError(f"Model({b.name!r}): the model repository {repo.working_dir} has no "
-                                      "version of it yet; train it first or give version=SHA")
-                version = versions[0]["version"]
-            else:
-                try:
-                    version = repo.git.rev_parse("--verify", f"{version}^{{commit}}")
-                except Exception as exc:
-                    raise ConfigError(f"Model({b.name!r}, version={b.version!r}): no such commit in "
-                                      f"{repo.working_dir}") from exc
-            model_versions[name] = f"{b.name}@{version}"
+            model_versions[name] = f"{b.name}@{_resolve_version(repo_path, b)}"
 
-    key = make_run_key(model_name, run_name, params, seed, datasets, model_versions)
-    run_dir = runs_root / model_name / key
+    key = make_run_key(tf.output.name, run_name, params, seed, datasets, model_versions)
+    return JobPlan(cfg=cfg, tf=tf, steps=_setting(job, d, "steps"), epochs=_setting(job, d, "epochs"),
+                   eval_every=_setting(job, d, "eval_every"), seed=seed, run_name=run_name,
+                   resume=str(getattr(resume, "value", resume)), config_obj=config_obj, params=params,
+                   tracking_uri=tracking_uri, runs_root=runs_root, repo_path=repo_path, inputs=inputs,
+                   datasets=datasets, dataset_facts=dataset_facts, model_versions=model_versions, key=key,
+                   run_dir=runs_root / tf.output.name / key)
+
+
+def _resolve_version(repo_path: Path | None, b: Model) -> str:
+    repo = open_model_repo(repo_path or default_model_repo(Path.cwd()), create=False)
+    if b.version is None:
+        versions = list_versions(repo, b.name)
+        if not versions:
+            raise ConfigError(f"Model({b.name!r}): the model repository {repo.working_dir} has no "
+                              "version of it yet; train it first or give version=SHA")
+        return versions[0]["version"]
+    try:
+        return repo.git.rev_parse("--verify", f"{b.version}^{{commit}}")
+    except Exception as exc:
+        raise ConfigError(f"Model({b.name!r}, version={b.version!r}): no such commit in {repo.working_dir}") from exc
+
+
+def _execute(cfg: Any, stop: StopRequest) -> JobResult:
+    p = plan(cfg)
+    cfg, tf, run_dir, key, model_name = p.cfg, p.tf, p.run_dir, p.key, p.model_name
+    steps, epochs, eval_every, seed, run_name = p.steps, p.epochs, p.eval_every, p.seed, p.run_name
+    params, datasets, dataset_facts, model_versions = p.params, p.datasets, p.dataset_facts, p.model_versions
+    tracking_on, tracking_uri, runs_root = p.tracking_on, p.tracking_uri, p.runs_root
     run_dir.mkdir(parents=True, exist_ok=True)
+    kwargs: dict[str, Any] = dict(p.inputs)
     for name, b in tf.bindings.items():
         if isinstance(b, Output):
             kwargs[name] = b.bind(run_dir / "output")
@@ -241,8 +293,7 @@ def _execute(cfg: Any, stop: StopRequest) -> JobResult:
             version = model_versions[name].rsplit("@", 1)[1]
             dest = run_dir / "init_models" / name / version
             if not dest.exists():
-                repo = open_model_repo(repo_path or default_model_repo(Path.cwd()), create=False)
-                export_version(repo, b.name, version, dest)
+                export_version(p.model_repo(create=False), b.name, version, dest)
             kwargs[name] = b.bind(dest, version)
 
     info_path = run_dir / "run.json"
@@ -285,14 +336,14 @@ def _execute(cfg: Any, stop: StopRequest) -> JobResult:
     launcher = cfg.get("launcher") or {}
     try:
         run = Run(run_dir=run_dir, run_key=key, steps=steps, epochs=epochs, eval_every=eval_every, seed=seed,
-                  tracker=tracker, stop=stop, resume=resume, progress=launcher.get("progress", "auto"),
+                  tracker=tracker, stop=stop, resume=p.resume, progress=launcher.get("progress", "auto"),
                   progress_every_s=float(launcher.get("progress_every_s", 30.0)))
     except BaseException:
         tracker.close()
         raise
     kwargs["run"] = run
     if tf.wants_config:
-        kwargs["config"] = config_obj
+        kwargs["config"] = p.config_obj
 
     finish_timeout = float(cfg.tracking.finish_timeout_s)
     installed = stop.install()
@@ -341,7 +392,7 @@ def _execute(cfg: Any, stop: StopRequest) -> JobResult:
     }
     out_dir = run_dir / "output"
     try:
-        repo = open_model_repo(repo_path or default_model_repo(Path.cwd()))
+        repo = p.model_repo()
         same_repo = code.repo_root is not None and Path(repo.working_dir).resolve() == code.repo_root.resolve()
         version = commit_model(
             repo, model_name, out_dir,

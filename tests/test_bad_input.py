@@ -30,9 +30,11 @@ def trained(project):
     (["+job=t", "job.bogus=1"], "bogus"),
     (["+job=t", "paths.nope=x"], "nope"),
     (["+job=t", "job.steps=many"], "steps"),
-    (["+job=t", "job.params.nope=1"], "job.params.nope"),
+    (["+job=t", "job.params.nope=1"], "nope"),
+    (["+job=t", "+job.params.nope=1"], "job.params.nope"),  # added, then refused by the dataclass
     (["+job=t", "job.params.lr=fast"], "job.params.lr"),
     (["+job=t", "job.resume=maybe"], "resume"),
+    (["+job=t", "job.resume=never", "job.steps=90"], "job.resume=never"),
     (["+job=t", "tracking.uri=file:///tmp/mlruns"], "tracking.uri"),
     (["+job=t", "job.target=trainer.py:nothing"], "nothing"),
     (["+job=t", "job.target=no_such_module:fit"], "no_such_module"),

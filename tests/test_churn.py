@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 import pytest
 from sklearn.linear_model import LogisticRegression

@@ -9,7 +9,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 import torch
 from mlflow import MlflowClient
 from safetensors.torch import load_file

@@ -143,3 +143,12 @@ def test_log_tags_and_summary(tmp_path):
     run.log({"auc": 0.8}, tags={"split": "test", "class": "churn"})
     assert run.tracker.points[-1] == (2, {"auc/class=churn/split=test": 0.8})
     assert run.summary()["loss"] == 1.0 and run.summary()["step"] == 2.0
+
+
+def test_progress_line_reports_rate_and_eta():
+    from gwenlake_hpc.progress import Progress
+
+    p = Progress(total=1000, start=200, mode="lines", every_s=30)
+    p.loss = 0.25
+    line = p.line(600, now=p._t0 + 4.0)  # 400 steps in 4 s
+    assert line == "step 600/1000 (60.0%) loss 0.25 100.0 steps/s ETA 0:00:04"
