@@ -18,7 +18,7 @@ from .errors import EXIT_USAGE, GwenlakeError
 
 log = logging.getLogger("gwenlake_hpc.cli")
 
-SUBCOMMANDS = ("data", "tracking", "models")
+SUBCOMMANDS = ("data", "tracking", "models", "status", "cancel", "logs")
 
 # MLflow configures its own loggers at import (INFO: "Creating initial MLflow database tables..."); its
 # environment variable is the one setting it reads at that moment.
@@ -67,6 +67,16 @@ def _subcommand_parser() -> argparse.ArgumentParser:
     cm.add_argument("name", help="model name group.name")
     cm.add_argument("--repo", help="model repository (paths.model_repo)")
     cm.add_argument("-m", "--message", default=None)
+    st = sub.add_parser("status", help="jobs submitted from here: state, restarts, step, checkpoint, MLflow run")
+    st.add_argument("--runs-root", default="runs", help="paths.runs_root (default ./runs)")
+    st.add_argument("--all", action="store_true", help="also jobs that ended more than a day ago")
+    cn = sub.add_parser("cancel", help="scancel a job (its checkpoints are kept; a later identical job resumes)")
+    cn.add_argument("job_id")
+    lg = sub.add_parser("logs", help="print a job's log")
+    lg.add_argument("job_id")
+    lg.add_argument("--runs-root", default="runs")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the job ends")
+    lg.add_argument("--stderr", action="store_true", help="the error log instead of the output log")
     return p
 
 
@@ -90,6 +100,15 @@ def run_subcommand(argv: Sequence[str]) -> int:
                 for col, (dtype, shape) in ds.schema.items():
                     print(f"  {col}: {dtype} {list(shape)}")
             return 0
+        if args.command in ("status", "cancel", "logs"):
+            from .launch import status as slurm_status
+
+            if args.command == "status":
+                return slurm_status.print_status(Path(args.runs_root), include_old=args.all)
+            if args.command == "cancel":
+                return slurm_status.cancel(args.job_id)
+            return slurm_status.print_logs(Path(args.runs_root), args.job_id, follow=args.follow,
+                                           stderr=args.stderr)
         if args.command == "tracking":
             from .tracking import sync as tracking_sync
 
@@ -137,7 +156,10 @@ def run_hydra(argv: Sequence[str]) -> int:
 
         state["started"] = True
         _setup_logging()
-        state["code"] = execute(cfg).exit_code
+        if cfg.launcher.get("name") == "slurm":
+            state["code"] = _submit_slurm(cfg)
+        else:
+            state["code"] = execute(cfg).exit_code
 
     saved = sys.argv
     sys.argv = [saved[0] if saved else "gwenlake_hpc", *argv]
@@ -151,6 +173,27 @@ def run_hydra(argv: Sequence[str]) -> int:
     finally:
         sys.argv = saved
     return int(state["code"])
+
+
+def _submit_slurm(cfg) -> int:  # type: ignore[no-untyped-def]
+    """``launcher=slurm``: submit, print the job id, logs and run directory; with ``wait``, block."""
+    from .launch import status as slurm_status
+    from .launch.slurm import submit
+
+    try:
+        sub = submit(cfg)
+    except GwenlakeError as exc:
+        log.error("%s", exc)
+        return exc.exit_code
+    if sub is None:
+        return 0
+    print(f"submitted job {sub.job_id}\n  run directory {sub.run_dir}\n  stdout {sub.stdout}\n  stderr {sub.stderr}",
+          flush=True)
+    if not cfg.launcher.get("wait"):
+        return 0
+    final = slurm_status.wait(sub.job_id, sub.run_dir)
+    print(f"job {sub.job_id}: {final.state}" + (f", model version {final.version}" if final.version else ""))
+    return 0 if final.state == "COMPLETED" else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -154,12 +154,9 @@ def register() -> None:
     """Register the schemas in Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
     cs.store(name="gwenlake_schema", node=GwenlakeConfig)
-    # `*_schema` for conf/launcher/*.yaml files to extend; `local`/`slurm` so a project whose conf/ has no
-    # launcher files still gets them (a conf/launcher/slurm.yaml comes first in the search path).
+    # conf/launcher/<name>.yaml files extend these (defaults: [slurm_schema, _self_]).
     cs.store(group="launcher", name="local_schema", node=LauncherConfig)
     cs.store(group="launcher", name="slurm_schema", node=SlurmLauncherConfig)
-    cs.store(group="launcher", name="local", node=LauncherConfig)
-    cs.store(group="launcher", name="slurm", node=SlurmLauncherConfig)
 
 
 def conf_dir() -> Path:

@@ -49,8 +49,7 @@ class Project:
 @pytest.fixture
 def project(tmp_path) -> Project:
     root = tmp_path / "project"
-    (root / "conf" / "job").mkdir(parents=True)
-    shutil.copy(REPO / "conf" / "config.yaml", root / "conf" / "config.yaml")
+    shutil.copytree(REPO / "conf", root / "conf")
     shutil.copy(HERE / "project" / "conf" / "job" / "t.yaml", root / "conf" / "job" / "t.yaml")
     shutil.copy(HERE / "project" / "trainer.py", root / "trainer.py")
     (root / ".gitignore").write_text("runs/\ndata/\n")

@@ -1,0 +1,257 @@
+"""Submission to SLURM through submitit, with our own eviction and requeue handling.
+
+submitit builds the sbatch script, submits it, pickles the callable and runs it in the job. Its own
+preemption path does not fit ours (it ignores SIGTERM, guesses a time limit from elapsed time, and requeues
+from inside its signal handler, in the middle of a step), so the callable is not "checkpointable" in its
+sense: the Run installs its own handlers after submitit's, ends the loop at a step boundary, and the batch
+script's teardown (:mod:`gwenlake_hpc.launch.requeue`) decides about requeueing from SLURM's own facts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..errors import EXIT_EVICTED, ConfigError, GwenlakeError
+from ..fsutil import write_atomic
+
+log = logging.getLogger("gwenlake_hpc.launch.slurm")
+
+JOBS_INDEX = ".gwenlake-jobs.jsonl"
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class SlurmEntry:
+    """The callable submitit pickles: the resolved config as plain data, never a secret value.
+
+    In the job it runs the training in this process (launcher ``local``, progress as log lines) and turns
+    the job's exit status into submitit's terms: a result on success, an exception on failure, and
+    ``SystemExit(75)`` on eviction (no result, so nobody reads it as a success).
+    """
+
+    def __init__(self, cfg: Mapping[str, Any]):
+        self.cfg = dict(cfg)
+
+    def __call__(self) -> dict[str, Any]:
+        from ..job import execute
+
+        cfg = OmegaConf.create(self.cfg)
+        launcher = cfg.launcher
+        cfg.launcher = OmegaConf.create({"name": "local", "progress": launcher.get("progress", "lines"),
+                                         "progress_every_s": launcher.get("progress_every_s", 30.0)})
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+        result = execute(cfg)
+        if result.exit_code == 0:
+            return {"version": result.version, "run_dir": str(result.run_dir), "final_step": result.final_step}
+        if result.exit_code == EXIT_EVICTED:
+            sys.stdout.flush()
+            raise SystemExit(EXIT_EVICTED)
+        raise RuntimeError(f"the training failed with exit status {result.exit_code}; see the log above")
+
+
+def _check_value(key: str, value: Any) -> None:
+    """sbatch options become ``#SBATCH --key=value`` lines: a newline would start a shell line."""
+    if isinstance(value, str) and _CONTROL_RE.search(value):
+        raise ConfigError(f"launcher.{key}={value!r}: control characters (newlines) are not allowed in sbatch options")
+
+
+def sbatch_parameters(lc: Any, job_name: str) -> dict[str, Any]:
+    """submitit ``SlurmExecutor`` parameters from the launcher config.
+
+    Raises:
+        ConfigError: a value with control characters, a bad env or secret name, bad numbers.
+    """
+    if lc.timeout_min < 1:
+        raise ConfigError(f"launcher.timeout_min={lc.timeout_min}: must be at least 1")
+    if lc.signal_delay_s < 1 or lc.signal_delay_s >= lc.timeout_min * 60:
+        raise ConfigError(f"launcher.signal_delay_s={lc.signal_delay_s}: must be between 1 and the time limit "
+                          f"({lc.timeout_min * 60} s)")
+    if lc.max_retries < 0:
+        raise ConfigError(f"launcher.max_retries={lc.max_retries}: must be >= 0")
+    params: dict[str, Any] = {"job_name": job_name, "time": int(lc.timeout_min), "nodes": int(lc.nodes),
+                              "ntasks_per_node": int(lc.tasks_per_node), "signal_delay_s": int(lc.signal_delay_s)}
+    for key, sb in (("partition", "partition"), ("account", "account"), ("qos", "qos"),
+                    ("cpus_per_task", "cpus_per_task"), ("gpus_per_node", "gpus_per_node"), ("gres", "gres"),
+                    ("constraint", "constraint"), ("exclude", "exclude")):
+        value = lc.get(key)
+        if value is not None:
+            _check_value(key, value)
+            params[sb] = value
+    if lc.get("mem_gb") is not None:
+        params["mem"] = f"{int(float(lc.mem_gb) * 1024)}M"
+    extra = {"requeue": True}
+    for k, v in (OmegaConf.to_container(lc.additional_parameters) if lc.get("additional_parameters") else {}).items():
+        _check_value(f"additional_parameters.{k}", k)
+        _check_value(f"additional_parameters.{k}", v)
+        extra[str(k)] = v
+    params["additional_parameters"] = extra
+    _check_value("job name", job_name)
+    return params
+
+
+def setup_lines(lc: Any, secrets_file: Path | None) -> list[str]:
+    """Shell lines run before the step: the user's ``setup``, then quoted ``export``s, then secrets."""
+    lines = [str(s) for s in lc.get("setup") or []]
+    for name, value in (lc.get("env") or {}).items():
+        if not _NAME_RE.match(str(name)):
+            raise ConfigError(f"launcher.env.{name}: not a valid environment variable name")
+        lines.append(f"export {name}={shlex.quote(str(value))}")
+    # One thread per process unless told otherwise: jobs share nodes' cores.
+    lines.append('export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"')
+    if secrets_file is not None:
+        lines.append(f"set -a; . {shlex.quote(str(secrets_file))}; set +a")
+    return lines
+
+
+def write_secrets(lc: Any, folder: Path, environ: Mapping[str, str] = os.environ) -> Path | None:
+    """Write the values of ``launcher.secrets`` to a 0600 file that the job sources; None if no secrets.
+
+    Raises:
+        ConfigError: a name is not a valid variable name or is not set in the submitting environment.
+    """
+    names = [str(n) for n in lc.get("secrets") or []]
+    if not names:
+        return None
+    lines = []
+    for name in names:
+        if not _NAME_RE.match(name):
+            raise ConfigError(f"launcher.secrets: {name!r} is not a valid environment variable name")
+        if name not in environ:
+            raise ConfigError(f"launcher.secrets: {name} is not set in the submitting environment; export it first")
+        lines.append(f"{name}={shlex.quote(environ[name])}\n")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "secrets.env"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.writelines(lines)
+    os.chmod(path, 0o600)
+    return path
+
+
+def teardown_lines(lc: Any) -> list[str]:
+    """After the step: requeue on a time limit or a killed step while retries remain (see requeue.py)."""
+    py = shlex.quote(sys.executable)
+    return ["rc=$?",
+            f"{py} -m gwenlake_hpc.launch.requeue --rc \"$rc\" --max-retries {int(lc.max_retries)} "
+            f"--signal-delay {int(lc.signal_delay_s)}",
+            "exit $?"]
+
+
+@dataclass
+class Submission:
+    """What ``launcher=slurm`` submitted: job id, log paths, run directory."""
+
+    job_id: str
+    run_dir: Path
+    stdout: Path
+    stderr: Path
+    folder: Path
+
+
+def _executor(folder: Path, params: Mapping[str, Any], setup: list[str], teardown: list[str]):
+    import submitit
+
+    ex = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=0)
+    ex.update_parameters(**params, setup=setup, teardown=teardown, stderr_to_stdout=False)
+    return ex
+
+
+def render_script(cfg: DictConfig, run_dir: Path) -> str:
+    """The sbatch script ``launcher=slurm`` would submit (``launcher.dry_run=true`` prints it)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    lc = cfg.launcher
+    folder = Path(lc.folder) if lc.get("folder") else run_dir / "slurm"
+    params = sbatch_parameters(lc, job_name=_job_name(cfg, run_dir))
+    secrets = folder / "secrets.env" if lc.get("secrets") else None
+    command = f"{shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(str(folder / '%j'))}"
+    return _make_sbatch_string(command=command, folder=str(folder / "%j"), setup=setup_lines(lc, secrets),
+                               teardown=teardown_lines(lc), **params)
+
+
+def _job_name(cfg: DictConfig, run_dir: Path) -> str:
+    return f"gwenlake:{run_dir.parent.name}:{run_dir.name}"
+
+
+def submit(cfg: DictConfig) -> Submission | None:
+    """Submit the job described by ``cfg`` (launcher ``slurm``); None for a dry run (script printed).
+
+    Raises:
+        ConfigError: bad launcher values, missing secrets, a job config error found at planning.
+        GwenlakeError: ``sbatch`` failed (its message is included).
+    """
+    from ..job import plan
+    from ..tracking import is_sqlite
+
+    p = plan(cfg)
+    lc = cfg.launcher
+    if p.tracking_uri and is_sqlite(p.tracking_uri):
+        log.warning("tracking.uri is SQLite (%s): SQLite on a shared filesystem is not safe for many concurrent "
+                    "jobs; use an MLflow server (tracking.uri=http://host:5000)", p.tracking_uri)
+    if lc.dry_run:
+        print(render_script(cfg, p.run_dir))
+        return None
+    folder = Path(lc.folder) if lc.get("folder") else p.run_dir / "slurm"
+    folder.mkdir(parents=True, exist_ok=True)
+    params = sbatch_parameters(lc, job_name=_job_name(cfg, p.run_dir))
+    secrets = write_secrets(lc, folder)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    # Paths resolved here: the job may start in another working directory.
+    container["paths"] = {k: (str(Path(v).expanduser().resolve()) if v else v) for k, v in container["paths"].items()}
+    if not container["paths"].get("model_repo"):
+        from ..versioning import default_model_repo
+
+        container["paths"]["model_repo"] = str(default_model_repo(Path.cwd()))
+    container["job"]["target"] = _absolute_target(container["job"]["target"])
+    if container.get("tracking", {}).get("uri") is None and p.tracking_uri:
+        container["tracking"]["uri"] = p.tracking_uri
+    ex = _executor(folder / "%j", params, setup_lines(lc, secrets), teardown_lines(lc))
+    try:
+        job = ex.submit(SlurmEntry(container))
+    except Exception as exc:  # submitit raises on sbatch errors with sbatch's message
+        raise GwenlakeError(f"sbatch failed: {exc}") from exc
+    sub = Submission(job.job_id, p.run_dir, Path(job.paths.stdout), Path(job.paths.stderr), folder)
+    record = {"job_id": job.job_id, "run_dir": str(p.run_dir), "model": p.model_name, "run_key": p.key,
+              "target": container["job"]["target"], "submitted": time.time(), "stdout": str(sub.stdout),
+              "stderr": str(sub.stderr), "folder": str(folder)}
+    index = p.runs_root / JOBS_INDEX
+    index.parent.mkdir(parents=True, exist_ok=True)
+    with open(index, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+    return sub
+
+
+def _absolute_target(target: str) -> str:
+    mod, _, name = target.rpartition(":")
+    if mod.endswith(".py"):
+        return f"{Path(mod).expanduser().resolve()}:{name}"
+    return target
+
+
+def job_records(runs_root: Path) -> list[dict[str, Any]]:
+    """Jobs submitted from here (newest last), from ``<runs_root>/.gwenlake-jobs.jsonl``."""
+    path = Path(runs_root) / JOBS_INDEX
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def write_record_atomic(path: Path, records: list[dict[str, Any]]) -> None:
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))

@@ -1,0 +1,189 @@
+"""Job status from SLURM's own records (sacct, scontrol) joined with the run directory's facts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..checkpoint import CheckpointStore
+from ..errors import ConfigError, GwenlakeError
+from ..fsutil import read_json
+from .slurm import job_records
+
+#: Job states after which a job will not run again (a REQUEUED or PREEMPTED job will).
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
+                "DEADLINE")
+
+
+@dataclass
+class JobStatus:
+    """One job as SLURM and its run directory see it.
+
+    Attributes:
+        job_id: SLURM job id (``<id>`` or ``<array id>_<task>``).
+        state: SLURM state (``PENDING``, ``RUNNING``, ``PREEMPTED``, ``REQUEUED``, ``COMPLETED``, ...), from
+            ``squeue`` while the job is queued or running, else ``sacct``; ``UNKNOWN`` if neither knows it.
+        restarts: SLURM's restart count (``scontrol show job``), None once SLURM forgot the job.
+        step: newest complete checkpoint's step, None if none.
+        checkpoint: its directory.
+        tracking_run_id: the MLflow run id stored in the run directory.
+        version: the model version when the run completed.
+    """
+
+    job_id: str
+    state: str
+    restarts: int | None
+    step: int | None
+    checkpoint: Path | None
+    tracking_run_id: str | None
+    version: str | None
+    run_dir: Path | None = None
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def slurm_state(job_id: str) -> tuple[str, int | None]:
+    """(state, restarts) of a job: ``scontrol show job`` while SLURM holds it, else ``sacct``."""
+    out = _run(["scontrol", "-o", "show", "job", job_id])
+    if out.strip():
+        fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+        restarts = int(fields["Restarts"]) if fields.get("Restarts", "").isdigit() else None
+        return fields.get("JobState", "UNKNOWN"), restarts
+    out = _run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State"])
+    states = [line.strip() for line in out.splitlines() if line.strip()]
+    return (states[-1].split()[0] if states else "UNKNOWN"), None
+
+
+def job_status(record: dict) -> JobStatus:
+    """Status of one submitted job record (see :func:`gwenlake_hpc.launch.slurm.job_records`)."""
+    state, restarts = slurm_state(record["job_id"])
+    run_dir = Path(record["run_dir"])
+    info = read_json(run_dir / "run.json", default={}) or {}
+    ck = CheckpointStore(run_dir / "checkpoints", record.get("run_key") or run_dir.name).complete() \
+        if (run_dir / "checkpoints").is_dir() else []
+    run_id_file = run_dir / "tracking" / "run_id"
+    return JobStatus(record["job_id"], state, restarts, ck[-1].step if ck else None, ck[-1].path if ck else None,
+                     run_id_file.read_text().strip() if run_id_file.exists() else None,
+                     (info.get("completed") or {}).get("version"), run_dir)
+
+
+def print_status(runs_root: Path, include_old: bool = False) -> int:
+    """The ``status`` command: one line per job submitted from here."""
+    records = job_records(runs_root)
+    if not include_old:
+        records = [r for r in records if time.time() - r.get("submitted", 0) < 86400]
+    if not records:
+        print(f"no jobs submitted from {runs_root.resolve()} (try --all)")
+        return 0
+    print(f"{'JOB':>10}  {'STATE':<12} {'RESTARTS':>8} {'STEP':>8}  MLFLOW RUN                        RUN")
+    for r in records:
+        s = job_status(r)
+        print(f"{s.job_id:>10}  {s.state:<12} {'' if s.restarts is None else s.restarts:>8} "
+              f"{'' if s.step is None else s.step:>8}  {s.tracking_run_id or '-':<32}  "
+              f"{r['model']}/{Path(r['run_dir']).name}" + (f"  version {s.version[:12]}" if s.version else ""))
+    return 0
+
+
+def cancel(job_id: str) -> int:
+    """``scancel`` a job; its run directory and checkpoints are kept."""
+    proc = subprocess.run(["scancel", job_id], capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"error: scancel {job_id}: {proc.stderr.strip()}", file=sys.stderr)
+        return 1
+    print(f"cancelled {job_id}; its checkpoints are kept: submit the same job again to resume")
+    return 0
+
+
+def _record(runs_root: Path, job_id: str) -> dict:
+    for r in reversed(job_records(runs_root)):
+        if r["job_id"] == job_id:
+            return r
+    raise ConfigError(f"job {job_id} was not submitted from {runs_root.resolve()} (see `status --all`)")
+
+
+def print_logs(runs_root: Path, job_id: str, follow: bool = False, stderr: bool = False) -> int:
+    """The ``logs`` command: print the job's log; with ``follow``, until the job reaches a final state."""
+    r = _record(runs_root, job_id)
+    path = Path(r["stderr" if stderr else "stdout"].replace("%j", job_id))
+    pos = 0
+    while True:
+        if path.exists():
+            with open(path, errors="replace") as fh:
+                fh.seek(pos)
+                chunk = fh.read()
+                pos = fh.tell()
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+        if not follow:
+            return 0
+        state, _ = slurm_state(job_id)
+        if state.split()[0] in FINAL_STATES:
+            return 0
+        time.sleep(1.0)
+
+
+def wait(job_id: str, run_dir: Path, timeout_s: float | None = None, poll_s: float = 2.0) -> JobStatus:
+    """Block until the job reaches a final state (a requeue is not one).
+
+    Raises:
+        TimeoutError: ``timeout_s`` passed first.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        state, _ = slurm_state(job_id)
+        if state.split()[0] in FINAL_STATES:
+            return job_status({"job_id": job_id, "run_dir": str(run_dir), "run_key": Path(run_dir).name})
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id} still {state} after {timeout_s} s")
+        time.sleep(poll_s)
+
+
+class JobHandle:
+    """A submitted job, from Python: ``fit.submit(...)`` returns one.
+
+    Attributes:
+        job_id: SLURM job id.
+        run_dir: the run directory (checkpoints, tracking, output).
+    """
+
+    def __init__(self, job_id: str, run_dir: Path):
+        self.job_id = job_id
+        self.run_dir = Path(run_dir)
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run id, once the job created or reattached it."""
+        path = self.run_dir / "tracking" / "run_id"
+        return path.read_text().strip() if path.exists() else None
+
+    def status(self) -> JobStatus:
+        """Current :class:`JobStatus`."""
+        return job_status({"job_id": self.job_id, "run_dir": str(self.run_dir), "run_key": self.run_dir.name})
+
+    def wait(self, timeout: float | None = None) -> JobStatus:
+        """Block until the job ends.
+
+        Raises:
+            TimeoutError: not ended within ``timeout`` seconds.
+            GwenlakeError: it ended in another state than COMPLETED (failed, cancelled, timed out).
+        """
+        final = wait(self.job_id, self.run_dir, timeout)
+        if not final.state.startswith("COMPLETED"):
+            raise GwenlakeError(f"job {self.job_id} ended {final.state}; see its log")
+        return final
+
+    def latest_checkpoint(self) -> Path | None:
+        """Directory of the newest complete checkpoint."""
+        return self.status().checkpoint
+
+    def cancel(self) -> None:
+        """scancel the job (checkpoints kept)."""
+        subprocess.run(["scancel", self.job_id], check=False)
