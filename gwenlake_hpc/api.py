@@ -201,6 +201,35 @@ class TrainFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
 
+    def submit(self, *overrides: str, job: str | None = None):
+        """Submit this training to SLURM (``launcher=slurm``) and return a handle.
+
+        Args:
+            overrides: Hydra overrides, e.g. ``"job.steps=5000"``, ``"launcher.partition=gpu"``.
+            job: a job config name (``conf/job/<job>.yaml``) to start from; default: this function alone.
+
+        Returns:
+            :class:`gwenlake_hpc.launch.status.JobHandle` with ``job_id``, ``run_id``, ``status()``,
+            ``wait(timeout=None)``, ``latest_checkpoint()``, ``cancel()``.
+
+        Raises:
+            ConfigError: a bad override or launcher value. GwenlakeError: sbatch failed.
+        """
+        from hydra import compose, initialize_config_dir
+
+        from .config import conf_dir, register
+        from .launch.slurm import submit
+        from .launch.status import JobHandle
+
+        register()
+        base = [f"+job={job}"] if job else [f"job.target={self.target}"]
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=[*base, "launcher=slurm", *overrides])
+        sub = submit(cfg)
+        if sub is None:
+            raise ConfigError("launcher.dry_run=true submits nothing; drop it to get a handle")
+        return JobHandle(sub.job_id, sub.run_dir)
+
     def __repr__(self) -> str:
         return f"<training {self.target} -> {self.output.name}>"
 

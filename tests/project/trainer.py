@@ -5,7 +5,7 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_SIGKILL_IN_CKPT=k  SIGKILL half-way through writing the checkpoint of step k
   GWL_TEST_PAUSE=k:reached:go at step k, create file `reached` and wait for file `go` (may repeat, ';'-separated)
   GWL_TEST_SLEEP=s            sleep s seconds per step
-  GWL_TEST_BAD=escape|column  misuse the API on purpose
+  GWL_TEST_BAD=escape|column|raise  misuse the API on purpose, or raise at step 5
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def fit(data, output, run, config: Params):
         loss.backward()
         opt.step()
         run.log({"loss": loss.item()})
+        if step == 5 and os.environ.get("GWL_TEST_BAD") == "raise":
+            raise RuntimeError("boom at step 5")
         if step == sigterm_at:
             os.kill(os.getpid(), signal.SIGTERM)
         if step in pauses:

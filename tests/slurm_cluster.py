@@ -1,0 +1,164 @@
+"""Helpers for tests against the real SLURM test cluster of ``scripts/slurm-cluster.sh``.
+
+The cluster runs on localhost: nodes ``n1`` and ``n2`` (2 CPUs and 2 fake GPUs each), partitions ``low``
+(default, PriorityTier=1) and ``high`` (PriorityTier=10, preempts ``low`` jobs, which are requeued).
+
+``require_cluster()`` skips a test where the cluster does not answer. Job states come from ``sacct``
+(``-X``: the allocation, not its steps) and ``squeue``; a requeued job keeps its id, gets ``Restarts=N`` in
+``scontrol show job`` and ``SLURM_RESTART_COUNT=N`` in its environment, and waits about two minutes
+(its BeginTime) before it may start again: ``release(job_id)`` lets it start at once (needs root).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import os
+import subprocess
+import time
+from collections.abc import Iterable, Sequence
+
+import pytest
+
+NODES = ("n1", "n2")
+PARTITIONS = ("low", "high")
+SKIP_REASON = "no SLURM cluster: run `bash scripts/slurm-cluster.sh up`"
+# sinfo's compact node states of a node that takes jobs (a suffix such as "*" = not responding, "~" = powered
+# off, "#"/"%"/"!" = powering up/down, "-" = planned by backfill... only the plain ones count as up).
+_UP_STATES = {"idle", "mix", "alloc", "comp", "plnd"}
+
+
+def _run(args: Sequence[str], timeout: float = 15) -> subprocess.CompletedProcess | None:
+    """Run a SLURM command; None when it is missing or does not answer in time."""
+    if shutil.which(args[0]) is None:
+        return None
+    try:
+        return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+
+
+def node_states() -> dict[str, str]:
+    """{node: compact state} from ``sinfo -N`` (a node in two partitions is listed once)."""
+    proc = _run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=5)
+    if proc is None or proc.returncode != 0:
+        return {}
+    states = {}
+    for line in proc.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            states[parts[0]] = parts[1]
+    return states
+
+
+_unavailable = False  # once found absent, stays absent for this process (each sinfo try costs seconds)
+
+
+def cluster_available() -> bool:
+    """sinfo answers within a few seconds and both nodes are up (idle, mixed, allocated or completing)."""
+    global _unavailable
+    if _unavailable:
+        return False
+    states = node_states()
+    up = all(states.get(node) in _UP_STATES for node in NODES)
+    _unavailable = not up
+    return up
+
+
+def require_cluster() -> None:
+    """Skip the calling test when the SLURM test cluster is not running."""
+    if not cluster_available():
+        if os.environ.get("GWENLAKE_REQUIRE_SLURM") == "1":  # CI brought a cluster up: its absence is a failure
+            pytest.fail(SKIP_REASON)
+        pytest.skip(SKIP_REASON)
+
+
+def sbatch(*args: str, script: str | None = None, timeout: float = 30) -> int:
+    """Submit a batch job (``sbatch --parsable ARGS``, the script text on stdin if given); returns its id."""
+    proc = subprocess.run(["sbatch", "--parsable", *args], input=script, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sbatch {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return int(proc.stdout.strip().split(";")[0])
+
+
+def scancel(*job_ids: int, signal: str | None = None) -> None:
+    """``scancel [--signal=SIG] IDS``; errors (e.g. job already gone) are ignored."""
+    if job_ids:
+        _run(["scancel", *([f"--signal={signal}"] if signal else []), *map(str, job_ids)])
+
+
+def sacct_state(job_id: int) -> str | None:
+    """The job's state in accounting (latest run of a requeued job), e.g. "COMPLETED", "CANCELLED by 0";
+    None when sacct does not know it (yet)."""
+    proc = _run(["sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", "State"])
+    if proc is None or proc.returncode != 0:
+        return None
+    lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def sacct_history(job_id: int) -> list[str]:
+    """The states of every run of the job, oldest first (``sacct -D``): e.g. ["PREEMPTED", "COMPLETED"]."""
+    proc = _run(["sacct", "-n", "-P", "-X", "-D", "-j", str(job_id), "-o", "State"])
+    if proc is None or proc.returncode != 0:
+        return []
+    return [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+
+
+def squeue_state(job_id: int) -> str | None:
+    """The job's state in the controller (PENDING, RUNNING, COMPLETING, COMPLETED...); None once it is gone
+    (MinJobAge after its end) or unknown."""
+    proc = _run(["squeue", "-h", "-t", "all", "-j", str(job_id), "-o", "%T"])
+    if proc is None or proc.returncode != 0:
+        return None
+    lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    return lines[0] if lines else None
+
+
+def _matches(state: str | None, states: Iterable[str]) -> bool:
+    return state is not None and any(state.startswith(s) for s in states)
+
+
+def wait_state(job_id: int, states: str | Iterable[str], timeout_s: float = 60, poll_s: float = 0.5) -> str:
+    """Poll squeue and sacct until the job's state starts with one of ``states`` (e.g. "COMPLETED",
+    "CANCELLED" matches "CANCELLED by 0"); returns that state. Raises TimeoutError after ``timeout_s``."""
+    wanted = (states,) if isinstance(states, str) else tuple(states)
+    deadline = time.monotonic() + timeout_s
+    seen: tuple[str | None, str | None] = (None, None)
+    while True:
+        seen = (squeue_state(job_id), sacct_state(job_id))
+        for state in seen:
+            if _matches(state, wanted):
+                return state  # type: ignore[return-value]
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"job {job_id} not in {wanted} after {timeout_s:.0f} s: "
+                               f"squeue {seen[0]!r}, sacct {seen[1]!r}")
+        time.sleep(poll_s)
+
+
+def show_job(job_id: int) -> dict[str, str]:
+    """``scontrol show job -o ID`` as {key: value}; {} when the controller no longer knows the job."""
+    proc = _run(["scontrol", "show", "job", "-o", str(job_id)])
+    if proc is None or proc.returncode != 0:
+        return {}
+    return dict(re.findall(r"(\w[\w:/]*)=(\S*)", proc.stdout))
+
+
+def job_restarts(job_id: int) -> int:
+    """How many times the job was requeued: ``Restarts=N`` of ``scontrol show job``; once the controller
+    has forgotten the job, the number of earlier runs in accounting (``sacct -D``)."""
+    info = show_job(job_id)
+    if "Restarts" in info:
+        return int(info["Restarts"])
+    return max(len(sacct_history(job_id)) - 1, 0)
+
+
+def release(job_id: int) -> None:
+    """Let a requeued job start now instead of ~2 minutes later (``scontrol update jobid=N StartTime=now``;
+    root or SlurmUser only)."""
+    proc = _run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"])
+    if proc is None or proc.returncode != 0:
+        raise RuntimeError(f"scontrol update jobid={job_id} StartTime=now failed: "
+                           f"{proc.stderr.strip() if proc else 'no answer'}")

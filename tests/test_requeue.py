@@ -1,0 +1,62 @@
+"""The requeue decision taken after a job step (pure logic; the cluster tests exercise it for real)."""
+
+import stat
+
+import pytest
+from omegaconf import OmegaConf
+
+from gwenlake_hpc.config import SlurmLauncherConfig
+from gwenlake_hpc.errors import ConfigError
+from gwenlake_hpc.launch.requeue import decide, parse_slurm_time
+from gwenlake_hpc.launch.slurm import sbatch_parameters, setup_lines, write_secrets
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("0:45", 45), ("1:05", 65), ("10:00", 600), ("1:00:00", 3600), ("2-03:04:05", 183845),
+    ("UNLIMITED", None), ("INVALID", None), ("", None),
+])
+def test_parse_slurm_time(text, seconds):
+    assert parse_slurm_time(text) == seconds
+
+
+def test_decisions():
+    # time limit: little time left after a USR2 eviction, retries left -> requeue
+    assert decide(75, 0, 3, 40, 30).action == "requeue"
+    assert decide(75, 3, 3, 40, 30).action == "fail"
+    # an eviction with plenty of time left is a preemption or scancel: SLURM decides, never a second requeue
+    d = decide(75, 0, 3, 3000, 120)
+    assert d.action == "leave" and "preemption" in d.reason
+    assert decide(75, 0, 3, None, 120).action == "leave"  # unknown or unlimited time
+    # a killed step (SIGKILL, OOM) is requeued while retries remain, then fails with the reason
+    assert decide(137, 1, 3, None, 120).action == "requeue"
+    d = decide(137, 3, 3, None, 120)
+    assert d.action == "fail" and "signal 9" in d.reason
+    assert decide(0, 0, 3, None, 120).action == "done"
+    assert decide(1, 0, 3, None, 120).action == "fail"
+
+
+def _launcher(**kw):
+    return OmegaConf.merge(OmegaConf.structured(SlurmLauncherConfig), kw)
+
+
+def test_sbatch_parameters_refuse_control_characters_and_bad_numbers():
+    params = sbatch_parameters(_launcher(partition="gpu", mem_gb=8, gpus_per_node=2), "job")
+    assert params["partition"] == "gpu" and params["mem"] == "8192M" and params["gpus_per_node"] == 2
+    assert params["additional_parameters"]["requeue"] is True
+    with pytest.raises(ConfigError, match="launcher.partition"):
+        sbatch_parameters(_launcher(partition="gpu\nrm -rf /"), "job")
+    with pytest.raises(ConfigError, match="signal_delay_s"):
+        sbatch_parameters(_launcher(timeout_min=1, signal_delay_s=60), "job")
+    with pytest.raises(ConfigError, match="launcher.env"):
+        setup_lines(_launcher(env={"BAD NAME": "x"}), None)
+
+
+def test_secrets_go_to_a_private_file_never_the_script(tmp_path):
+    lc = _launcher(secrets=["API_TOKEN"])
+    path = write_secrets(lc, tmp_path, environ={"API_TOKEN": "s3cr3t'$(x)"})
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.read_text() == "API_TOKEN='s3cr3t'\"'\"'$(x)'\n"
+    lines = setup_lines(lc, path)
+    assert all("s3cr3t" not in line for line in lines)
+    with pytest.raises(ConfigError, match="API_TOKEN is not set"):
+        write_secrets(lc, tmp_path, environ={})

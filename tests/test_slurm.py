@@ -1,0 +1,186 @@
+"""The SLURM launcher on a real local cluster (scripts/slurm-cluster.sh up): preemption, time limit, scancel,
+a SIGKILLed job step, an exception. Skipped with a reason when no cluster answers."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from slurm_cluster import release, require_cluster, show_job
+
+pytestmark = pytest.mark.slurm
+
+# A 300-step training of ~20 s on the whole of node n1 (2 CPUs), so a `high` job on n1 preempts it.
+SLOW = ["job.steps=300", "launcher=slurm", "launcher.timeout_min=10", "launcher.signal_delay_s=60",
+        "launcher.cpus_per_task=2", "+launcher.additional_parameters.nodelist=n1", "launcher.progress_every_s=2"]
+
+
+@pytest.fixture(autouse=True)
+def _cluster():
+    require_cluster()
+
+
+def sh(*cmd) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout.strip()
+
+
+def submit(project, *overrides, env_vars=None) -> str:
+    args = ["+job=t", *overrides]
+    for k, v in (env_vars or {}).items():
+        args.append(f"+launcher.env.{k}={v}")
+    proc = project.run(*args, check=0)
+    m = re.search(r"submitted job (\d+)", proc.stdout)
+    assert m, proc.stdout + proc.stderr
+    return m.group(1)
+
+
+def job_fields(job_id) -> dict:
+    return show_job(int(job_id))
+
+
+def state_of(job_id) -> str:
+    f = job_fields(job_id)
+    if f.get("JobState"):
+        return f["JobState"]
+    out = sh("sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State").splitlines()
+    return out[-1].split()[0] if out else "UNKNOWN"
+
+
+def wait_until(pred, timeout=240, what="condition", poll=0.5):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def finish(job_id, timeout=400) -> str:
+    """Wait for a final state, releasing requeued jobs from SLURM's start delay as we go."""
+    def done():
+        st = state_of(job_id)
+        if st == "PENDING" and job_fields(job_id).get("Reason") == "BeginTime":  # a requeued job's delay
+            release(int(job_id))
+        return st if st in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY") else None
+    return wait_until(done, timeout, f"job {job_id} to end")
+
+
+def run_dir(project) -> Path:
+    dirs = list((project.root / "runs" / "t.model").iterdir())
+    assert len(dirs) == 1
+    return dirs[0]
+
+
+def checkpoint_at_least(project, step):
+    def check():
+        for p in project.root.glob("runs/t.model/*/checkpoints/step-*"):
+            if int(p.name.split("-")[1]) >= step:
+                return True
+        return False
+    return check
+
+
+def log_text(project, job_id) -> str:
+    d = run_dir(project) / "slurm" / job_id
+    return "".join(p.read_text(errors="replace") for p in sorted(d.glob("*_log.*")))
+
+
+def one_point_per_step(project, steps):
+    client = MlflowClient(f"sqlite:///{project.root / 'runs' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("t.model")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    hist = client.get_metric_history(runs[0].info.run_id, "loss")
+    assert sorted(m.step for m in hist) == list(range(1, steps + 1))
+    return runs[0]
+
+
+def test_completes_and_status_lists_it(project):
+    job = submit(project, "launcher=slurm", "launcher.timeout_min=5")
+    assert finish(job) == "COMPLETED"
+    status = project.run("status", check=0).stdout
+    assert re.search(rf"{job}\s+COMPLETED\s+0\s+60", status), status
+    assert "model t.model version" in log_text(project, job)
+    logs = project.run("logs", job, check=0).stdout
+    assert "model t.model version" in logs
+
+
+def test_preemption_requeued_by_slurm_once_and_resumes(project):
+    job = submit(project, *SLOW, env_vars={"GWL_TEST_SLEEP": "0.05"})
+    wait_until(checkpoint_at_least(project, 50), what="a checkpoint at step 50")
+    high = sh("sbatch", "--parsable", "-p", "high", "-w", "n1", "-c", "2", "--wrap", "sleep 3")
+    assert high
+    assert finish(job) == "COMPLETED"
+    text = log_text(project, job)
+    assert "SIGTERM" in text and "resuming from step" in text
+    assert job_fields(job).get("Restarts") == "1"  # SLURM's requeue, none of ours on top
+    run = one_point_per_step(project, 300)
+    assert run.info.status == "FINISHED"
+    info = json.loads((run_dir(project) / "run.json").read_text())
+    assert [s.get("SLURM_RESTART_COUNT", "0") for s in info["starts"]] == ["0", "1"]
+
+
+def test_scancel_keeps_checkpoint_and_resubmission_resumes(project):
+    job = submit(project, *SLOW, env_vars={"GWL_TEST_SLEEP": "0.05"})
+    wait_until(checkpoint_at_least(project, 30), what="a checkpoint at step 30")
+    project.run("cancel", job, check=0)
+    assert finish(job).startswith("CANCELLED")
+    time.sleep(3)
+    assert state_of(job).startswith("CANCELLED")  # not requeued
+    assert list((run_dir(project) / "checkpoints").glob("step-*"))
+    again = submit(project, *SLOW)
+    assert finish(again) == "COMPLETED"
+    assert "resuming from step" in log_text(project, again)
+
+
+def test_sigkilled_step_is_requeued_and_resumes(project):
+    job = submit(project, *SLOW, env_vars={"GWL_TEST_SLEEP": "0.05"})
+    wait_until(checkpoint_at_least(project, 50), what="a checkpoint at step 50")
+    pattern = f"^{re.escape(sys.executable)} -u -m submitit.core._submit {re.escape(str(run_dir(project)))}"
+    pids = sh("pgrep", "-f", pattern).split()
+    assert len(pids) == 1, pids
+    subprocess.run(["kill", "-9", pids[0]], check=True)
+    assert finish(job) == "COMPLETED"
+    text = log_text(project, job)
+    assert "killed by signal" in text and "requeue 1/3" in text
+    assert "resuming from step" in text
+    one_point_per_step(project, 300)
+
+
+def test_exception_fails_the_job_with_traceback(project):
+    job = submit(project, "launcher=slurm", "launcher.timeout_min=5", env_vars={"GWL_TEST_BAD": "raise"})
+    assert finish(job) == "FAILED"
+    text = log_text(project, job)
+    assert "RuntimeError: boom at step 5" in text and "Traceback" in text
+    assert "the training failed with exit status 1" in text  # the teardown's decision: no requeue
+
+
+def test_time_limit_requeues_itself_and_completes(project):
+    job = submit(project, "job.steps=160", "launcher=slurm", "launcher.timeout_min=1", "launcher.signal_delay_s=30",
+                 "launcher.max_retries=6", "launcher.progress_every_s=2", env_vars={"GWL_TEST_SLEEP": "0.25"})
+    assert finish(job, timeout=900) == "COMPLETED"
+    text = log_text(project, job)
+    assert "SIGUSR2" in text and re.search(r"time limit \(\d+ s left\): requeue 1/6", text)
+    one_point_per_step(project, 160)
+
+
+def test_dry_run_quotes_values_and_refuses_newlines(project, tmp_path):
+    marker = tmp_path / "pwned"
+    proc = project.run("+job=t", "launcher=slurm", "launcher.dry_run=true",
+                       f"+launcher.env.EVIL='$(touch {marker})\"; touch {marker}'", check=0)
+    script = proc.stdout
+    assert "#SBATCH --requeue" in script and "#SBATCH --signal=USR2@120" in script
+    export = next(line for line in script.splitlines() if line.startswith("export EVIL="))
+    out = subprocess.run(["bash", "-c", export + '; printf %s "$EVIL"'], capture_output=True, text=True).stdout
+    assert out == f'$(touch {marker})"; touch {marker}' and not marker.exists()
+    bad = project.run("+job=t", "launcher=slurm", "launcher.dry_run=true", "launcher.partition='low\nrm -rf x'")
+    assert bad.returncode == 2 and "launcher.partition" in bad.stderr + bad.stdout
+    assert not (project.root / "runs" / "t.model").exists() or not list(project.root.glob("runs/t.model/*/slurm"))
