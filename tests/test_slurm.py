@@ -116,7 +116,7 @@ def test_completes_and_status_lists_it(project):
 def test_preemption_requeued_by_slurm_once_and_resumes(project):
     job = submit(project, *SLOW, env_vars={"GWL_TEST_SLEEP": "0.05"})
     wait_until(checkpoint_at_least(project, 50), what="a checkpoint at step 50")
-    high = sh("sbatch", "--parsable", "-p", "high", "-w", "n1", "-c", "2", "--wrap", "sleep 3")
+    high = sh("sbatch", "--parsable", "-o", "/dev/null", "-p", "high", "-w", "n1", "-c", "2", "--wrap", "sleep 3")
     assert high
     assert finish(job) == "COMPLETED"
     text = log_text(project, job)
