@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from gwenlake_hpc.errors import ConfigError
+from .errors import ConfigError
+from .fsutil import write_atomic
 
 logger = logging.getLogger("gwenlake_hpc.tracking")
 
@@ -221,13 +222,8 @@ def flatten(d: Mapping[Any, Any], prefix: str = "") -> dict[str, str]:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    # Temp file + os.replace: a reader (or a crash) never sees a half-written file.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # A reader (or a crash) never sees a half-written file.
+    write_atomic(path, text)
 
 
 def _read_run_id(state_dir: Path) -> str | None:
