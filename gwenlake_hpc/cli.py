@@ -161,6 +161,10 @@ def run_hydra(argv: Sequence[str]) -> int:
         else:
             state["code"] = execute(cfg).exit_code
 
+    argv = list(argv)
+    if ("-m" in argv or "--multirun" in argv) and "launcher=slurm" in argv \
+            and not any(a.startswith("hydra/launcher=") for a in argv):
+        argv.append("hydra/launcher=gwenlake_slurm")  # the sweep becomes one job array
     saved = sys.argv
     sys.argv = [saved[0] if saved else "gwenlake_hpc", *argv]
     try:

@@ -184,3 +184,18 @@ def test_dry_run_quotes_values_and_refuses_newlines(project, tmp_path):
     bad = project.run("+job=t", "launcher=slurm", "launcher.dry_run=true", "launcher.partition='low\nrm -rf x'")
     assert bad.returncode == 2 and "launcher.partition" in bad.stderr + bad.stdout
     assert not (project.root / "runs" / "t.model").exists() or not list(project.root.glob("runs/t.model/*/slurm"))
+
+
+def test_sweep_is_one_job_array_and_every_task_completes(project):
+    proc = project.run("-m", "+job=t", "launcher=slurm", "launcher.timeout_min=5", "launcher.partition=high",
+                       "job.params.lr=0.01,0.02,0.03", check=0, timeout=600)
+    m = re.search(r"submitted job array (\d+) \(3 tasks, one sbatch\)", proc.stdout)
+    assert m, proc.stdout + proc.stderr
+    array = m.group(1)
+    states = [finish(f"{array}_{i}") for i in range(3)]
+    assert states == ["COMPLETED"] * 3
+    run_dirs = sorted(p.name for p in (project.root / "runs" / "t.model").iterdir())
+    assert len(run_dirs) == 3  # one run directory per config, keyed by it, not by job id
+    versions = project.git("log", "--format=%H", "models/t.model").splitlines()
+    lineages = [json.loads(project.git("show", f"{v}:t/model/lineage.json")) for v in versions[:3]]
+    assert sorted(lin["config"]["params"]["lr"] for lin in lineages) == [0.01, 0.02, 0.03]

@@ -23,7 +23,6 @@ from typing import Any, Mapping
 from omegaconf import DictConfig, OmegaConf
 
 from ..errors import EXIT_EVICTED, ConfigError, GwenlakeError
-from ..fsutil import write_atomic
 
 log = logging.getLogger("gwenlake_hpc.launch.slurm")
 
@@ -206,30 +205,41 @@ def submit(cfg: DictConfig) -> Submission | None:
     folder.mkdir(parents=True, exist_ok=True)
     params = sbatch_parameters(lc, job_name=_job_name(cfg, p.run_dir))
     secrets = write_secrets(lc, folder)
-    container = OmegaConf.to_container(cfg, resolve=True)
-    # Paths resolved here: the job may start in another working directory.
-    container["paths"] = {k: (str(Path(v).expanduser().resolve()) if v else v) for k, v in container["paths"].items()}
-    if not container["paths"].get("model_repo"):
-        from ..versioning import default_model_repo
-
-        container["paths"]["model_repo"] = str(default_model_repo(Path.cwd()))
-    container["job"]["target"] = _absolute_target(container["job"]["target"])
-    if container.get("tracking", {}).get("uri") is None and p.tracking_uri:
-        container["tracking"]["uri"] = p.tracking_uri
+    container = job_container(cfg, p.tracking_uri)
     ex = _executor(folder / "%j", params, setup_lines(lc, secrets), teardown_lines(lc))
     try:
         job = ex.submit(SlurmEntry(container))
     except Exception as exc:  # submitit raises on sbatch errors with sbatch's message
         raise GwenlakeError(f"sbatch failed: {exc}") from exc
     sub = Submission(job.job_id, p.run_dir, Path(job.paths.stdout), Path(job.paths.stderr), folder)
-    record = {"job_id": job.job_id, "run_dir": str(p.run_dir), "model": p.model_name, "run_key": p.key,
-              "target": container["job"]["target"], "submitted": time.time(), "stdout": str(sub.stdout),
-              "stderr": str(sub.stderr), "folder": str(folder)}
+    record_job(p, sub, container["job"]["target"])
+    return sub
+
+
+def job_container(cfg: DictConfig, tracking_uri: str | None) -> dict[str, Any]:
+    """The config a job receives: plain data, paths made absolute (the job may start elsewhere), no Hydra node."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container.pop("hydra", None)
+    container["paths"] = {k: (str(Path(v).expanduser().resolve()) if v else v) for k, v in container["paths"].items()}
+    if not container["paths"].get("model_repo"):
+        from ..versioning import default_model_repo
+
+        container["paths"]["model_repo"] = str(default_model_repo(Path.cwd()))
+    container["job"]["target"] = _absolute_target(container["job"]["target"])
+    if container.get("tracking", {}).get("uri") is None and tracking_uri:
+        container["tracking"]["uri"] = tracking_uri
+    return container
+
+
+def record_job(p: Any, sub: Submission, target: str, overrides: list[str] | None = None) -> None:
+    """Append a submitted job to ``<runs_root>/.gwenlake-jobs.jsonl`` (read by status, logs, cancel)."""
+    record = {"job_id": sub.job_id, "run_dir": str(p.run_dir), "model": p.model_name, "run_key": p.key,
+              "target": target, "submitted": time.time(), "stdout": str(sub.stdout), "stderr": str(sub.stderr),
+              "folder": str(sub.folder), "overrides": overrides or []}
     index = p.runs_root / JOBS_INDEX
     index.parent.mkdir(parents=True, exist_ok=True)
     with open(index, "a") as fh:
         fh.write(json.dumps(record) + "\n")
-    return sub
 
 
 def _absolute_target(target: str) -> str:
@@ -251,7 +261,3 @@ def job_records(runs_root: Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return out
-
-
-def write_record_atomic(path: Path, records: list[dict[str, Any]]) -> None:
-    write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))

@@ -1,0 +1,92 @@
+"""Sweeps as SLURM job arrays: every task planned (its own run directory), all submitted with one sbatch."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..errors import ConfigError, GwenlakeError
+from . import status as slurm_status
+from .slurm import (SlurmEntry, Submission, _executor, job_container, record_job, sbatch_parameters, setup_lines,
+                    teardown_lines, write_secrets)
+
+log = logging.getLogger("gwenlake_hpc.launch.sweep")
+
+
+def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[str, Any]]:
+    """Submit one job array for the sweep tasks ``[(overrides, composed config), ...]``.
+
+    Launcher settings (resources, time limit, retries) must be the same for every task: they are one array.
+
+    Returns:
+        One dict per task: ``job_id`` (``<array id>_<index>``), ``run_dir``, ``overrides``; with
+        ``launcher.wait=true`` also ``state``, ``restarts`` and ``metrics`` once every task ended.
+
+    Raises:
+        ConfigError: tasks with different launcher settings, or a task's config error (nothing submitted).
+        GwenlakeError: sbatch failed.
+    """
+    from ..job import plan
+
+    if not configs:
+        return []
+    launchers = {OmegaConf.to_yaml(c.launcher) for _, c in configs}
+    if len(launchers) > 1:
+        raise ConfigError("a sweep is one job array: launcher.* must be the same for every task")
+    lc = configs[0][1].launcher
+    plans = [plan(cfg) for _, cfg in configs]  # every task checked before anything is submitted
+    runs_root = plans[0].runs_root
+    folder = Path(lc.folder) if lc.get("folder") else runs_root / ".arrays" / time.strftime("%Y%m%d-%H%M%S")
+    folder.mkdir(parents=True, exist_ok=True)
+    params = sbatch_parameters(lc, job_name=f"gwenlake-sweep:{plans[0].model_name}")
+    secrets = write_secrets(lc, folder)
+    ex = _executor(folder / "%j", params, setup_lines(lc, secrets), teardown_lines(lc))
+    containers = [job_container(cfg, p.tracking_uri) for (_, cfg), p in zip(configs, plans)]
+    try:
+        with ex.batch():
+            jobs = [ex.submit(SlurmEntry(c)) for c in containers]
+    except Exception as exc:
+        raise GwenlakeError(f"sbatch failed: {exc}") from exc
+    tasks = []
+    for (overrides, _), p, job, c in zip(configs, plans, jobs, containers):
+        sub = Submission(job.job_id, p.run_dir, Path(job.paths.stdout), Path(job.paths.stderr), folder)
+        record_job(p, sub, c["job"]["target"], overrides)
+        tasks.append({"job_id": job.job_id, "run_dir": str(p.run_dir), "overrides": overrides})
+    array_id = tasks[0]["job_id"].split("_")[0]
+    print(f"submitted job array {array_id} ({len(tasks)} tasks, one sbatch); logs in {folder}")
+    print_table(tasks)
+    if lc.get("wait"):
+        for t in tasks:  # every task waited for: one failure does not stop the others' results
+            final = slurm_status.wait(t["job_id"], Path(t["run_dir"]))
+            t.update(state=final.state, restarts=final.restarts, step=final.step, metrics=_metrics(final))
+        print_table(tasks)
+    return tasks
+
+
+def _metrics(final: slurm_status.JobStatus) -> dict[str, float]:
+    if final.checkpoint is None:
+        return {}
+    from ..checkpoint import CheckpointStore
+
+    store = CheckpointStore(final.run_dir / "checkpoints", final.run_dir.name)
+    best: dict[str, float] = {}
+    for ck in store.complete():
+        for k, v in ck.metrics.items():
+            best[k] = max(best.get(k, v), v)
+    return best
+
+
+def print_table(tasks: list[dict[str, Any]]) -> None:
+    """One line per task: job id, state, restarts, best checkpoint metrics, the overrides that vary."""
+    common = set.intersection(*(set(t["overrides"]) for t in tasks)) if len(tasks) > 1 else set()
+    print(f"{'TASK':>12}  {'STATE':<11} {'RESTARTS':>8}  {'METRICS':<28} OVERRIDES")
+    for t in tasks:
+        varying = [o for o in t["overrides"] if o not in common]
+        metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted((t.get("metrics") or {}).items()))
+        restarts = "" if t.get("restarts") is None else t["restarts"]
+        print(f"{t['job_id']:>12}  {t.get('state', 'SUBMITTED'):<11} {restarts:>8}  {metrics or '-':<28} "
+              f"{' '.join(varying)}")

@@ -1,0 +1,1 @@
+"""Hydra launcher plugin: ``-m`` sweeps with ``launcher=slurm`` become one SLURM job array."""
