@@ -18,7 +18,7 @@ from .errors import EXIT_USAGE, GwenlakeError
 
 log = logging.getLogger("gwenlake_hpc.cli")
 
-SUBCOMMANDS = ("data", "tracking", "models", "status", "cancel", "logs")
+SUBCOMMANDS = ("data", "tracking", "models", "status", "cancel", "logs", "report")
 
 # MLflow configures its own loggers at import (INFO: "Creating initial MLflow database tables..."); its
 # environment variable is the one setting it reads at that moment.
@@ -67,6 +67,10 @@ def _subcommand_parser() -> argparse.ArgumentParser:
     cm.add_argument("name", help="model name group.name")
     cm.add_argument("--repo", help="model repository (paths.model_repo)")
     cm.add_argument("-m", "--message", default=None)
+    rp = sub.add_parser("report", help="PNG of a run's metric curves with each restart marked")
+    rp.add_argument("run_dir", help="the run directory (<runs_root>/<model>/<run key>)")
+    rp.add_argument("--out", help="PNG path (default <run_dir>/report.png)")
+    rp.add_argument("--uri", help="tracking URI (default: the one the job used)")
     st = sub.add_parser("status", help="jobs submitted from here: state, restarts, step, checkpoint, MLflow run")
     st.add_argument("--runs-root", default="runs", help="paths.runs_root (default ./runs)")
     st.add_argument("--all", action="store_true", help="also jobs that ended more than a day ago")
@@ -99,6 +103,12 @@ def run_subcommand(argv: Sequence[str]) -> int:
                 print(f"dataset {args.name}: {ds.rows} rows, revision {ds.revision}, path {ds.path}")
                 for col, (dtype, shape) in ds.schema.items():
                     print(f"  {col}: {dtype} {list(shape)}")
+            return 0
+        if args.command == "report":
+            from .report import report
+
+            out, marks = report(args.run_dir, args.out, args.uri)
+            print(f"wrote {out} ({len(marks)} restart(s) marked at steps {marks})")
             return 0
         if args.command in ("status", "cancel", "logs"):
             from .launch import status as slurm_status

@@ -91,6 +91,10 @@ def test_sigterm_at_random_step_resumes_bit_identical(project):
     assert version_of(again) == version
     assert "nothing to train" in again.stdout + again.stderr
 
+    report = project.run("report", str(run_dir), check=0)
+    assert f"restart(s) marked at steps [{evict_step + 1}]" in report.stdout
+    assert (run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
 
 def test_external_sigterm_during_run(project):
     proc = project.popen("+job=t", "job.steps=400", env={"GWL_TEST_SLEEP": "0.01"})
