@@ -133,16 +133,22 @@ class PendingCheckpoint:
             json.dump(manifest, fh, sort_keys=True, indent=1)
             fh.flush()
             os.fsync(fh.fileno())
-        (self.dir / PARTIAL_MARK).unlink()
         for d in sorted((p for p in self.dir.rglob("*") if p.is_dir()), reverse=True):
             _fsync_path(d, directory=True)
         _fsync_path(self.dir, directory=True)
         final = self.store.root / f"step-{self.step:09d}"
-        if final.exists():
+        if final.exists() and self.store.set_aside_if_damaged(final) is None:
             self.abort()
-            raise CheckpointError(f"a checkpoint for step {self.step} already exists at {final}; it is kept as is")
-        os.rename(self.dir, final)
+            raise CheckpointError(f"a checkpoint for step {self.step} already exists at {final}; it is kept as is "
+                                  "(is another process running this run?)")
+        try:
+            os.rename(self.dir, final)
+        except OSError as exc:  # lost a race for the name: keep theirs, drop ours
+            self.abort()
+            raise CheckpointError(f"could not seal the checkpoint of step {self.step} at {final}: {exc}") from exc
         _fsync_path(self.store.root, directory=True)
+        # The mark goes only now: a kill before the rename leaves a partial that cleanup can still prove ours.
+        (final / PARTIAL_MARK).unlink(missing_ok=True)
         return Checkpoint(final, self.step, manifest)
 
     def abort(self) -> None:
@@ -205,21 +211,42 @@ class CheckpointStore:
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint whose files all match their manifest, or None.
 
-        A damaged checkpoint is skipped with a warning and left on disk for inspection.
+        A damaged checkpoint newer than it is set aside (renamed ``.damaged-step-<n>-<id>``, kept for
+        inspection) so that it is neither resumed from, nor counted by retention, nor in the way of the
+        checkpoint the resumed run writes at that step.
         """
         for ck in reversed(self.complete()):
             problem = self.verify(ck)
             if problem is None:
                 return ck
-            log.warning("checkpoint %s is damaged (%s); using an older one", ck.path, problem)
+            moved = self.set_aside_if_damaged(ck.path, problem)
+            log.warning("checkpoint %s is damaged (%s); set aside as %s, using an older one", ck.path, problem,
+                        moved.name if moved else "?")
         return None
 
-    def retain(self, keep: int) -> list[Path]:
+    def set_aside_if_damaged(self, path: Path, problem: str | None = None) -> Path | None:
+        """Rename a damaged checkpoint directory out of the way; None if it is intact (left in place)."""
+        if problem is None:
+            manifest = self._read_manifest(path)
+            if manifest is not None:
+                problem = self.verify(Checkpoint(path, int(manifest["step"]), manifest))
+            else:
+                problem = "no readable manifest"
+        if problem is None:
+            return None
+        aside = self.root / f".damaged-{path.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(path, aside)
+        return aside
+
+    def retain(self, keep: int, newest: int | None = None) -> list[Path]:
         """Delete all but the newest ``keep`` complete checkpoints of this run; returns what was deleted.
 
         Only directories named ``step-<n>`` whose manifest names this run key are candidates, so foreign or
-        unrecognised directories are never touched. A directory is renamed away before it is deleted, so a
-        kill half-way never leaves something that looks complete.
+        unrecognised directories are never touched. With ``newest`` (the step just written), only checkpoints
+        older than it are candidates and it counts as the first kept one, so whatever lies beyond it (a
+        checkpoint of an abandoned, longer history) can never make retention delete the one just written.
+        A directory is renamed away before it is deleted, so a kill half-way never leaves something that
+        looks complete.
 
         Raises:
             ConfigError: ``keep`` < 1.
@@ -229,7 +256,13 @@ class CheckpointStore:
         if int(keep) < 1:
             raise ConfigError(f"run.checkpoint(keep={keep}): keep must be at least 1 (or None to keep all)")
         removed = []
-        for ck in self.complete()[: -int(keep)]:
+        complete = self.complete()
+        if newest is not None:
+            older = [ck for ck in complete if ck.step < newest]
+            doomed = older[: max(len(older) - (int(keep) - 1), 0)]
+        else:
+            doomed = complete[: -int(keep)]
+        for ck in doomed:
             trash = self.root / f".deleting-{ck.path.name}-{uuid.uuid4().hex[:8]}"
             os.rename(ck.path, trash)
             shutil.rmtree(trash, ignore_errors=True)

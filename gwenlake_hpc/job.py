@@ -31,6 +31,7 @@ from .api import Input, Model, Output, TrainFunction
 from .data import Catalog
 from .errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError
 from .fsutil import read_json, write_json_atomic
+from .checkpoint import CheckpointStore
 from .run import Run, seed_everything
 from .signals import StopRequest
 from .tracking import NullTracker, Tracker, default_uri, flatten, is_sqlite, validate_uri
@@ -255,13 +256,27 @@ def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
         elif isinstance(b, Model):
             model_versions[name] = f"{b.name}@{_resolve_version(repo_path, b)}"
 
+    steps, epochs, eval_every = _setting(job, d, "steps"), _setting(job, d, "epochs"), _setting(job, d, "eval_every")
+    _check_settings(cfg, steps, epochs, eval_every)
     key = make_run_key(tf.output.name, run_name, params, seed, datasets, model_versions)
-    return JobPlan(cfg=cfg, tf=tf, steps=_setting(job, d, "steps"), epochs=_setting(job, d, "epochs"),
-                   eval_every=_setting(job, d, "eval_every"), seed=seed, run_name=run_name,
+    return JobPlan(cfg=cfg, tf=tf, steps=steps, epochs=epochs, eval_every=eval_every, seed=seed, run_name=run_name,
                    resume=str(getattr(resume, "value", resume)), config_obj=config_obj, params=params,
                    tracking_uri=tracking_uri, runs_root=runs_root, repo_path=repo_path, inputs=inputs,
                    datasets=datasets, dataset_facts=dataset_facts, model_versions=model_versions, key=key,
                    run_dir=runs_root / tf.output.name / key)
+
+
+def _check_settings(cfg: Any, steps: Any, epochs: Any, eval_every: Any) -> None:
+    """Refuse bad settings before anything is written (run.json, tracking, checkpoints)."""
+    if steps is not None and (not isinstance(steps, int) or steps < 0):
+        raise ConfigError(f"job.steps={steps!r}: must be an integer >= 0")
+    if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
+        raise ConfigError(f"job.epochs={epochs!r}: must be an integer >= 1")
+    if not isinstance(eval_every, int) or eval_every < 1:
+        raise ConfigError(f"job.eval_every={eval_every!r}: must be an integer >= 1")
+    progress = (cfg.get("launcher") or {}).get("progress", "auto")
+    if progress not in ("auto", "bar", "lines", "off"):
+        raise ConfigError(f"launcher.progress={progress!r}: use auto, bar, lines or off")
 
 
 def _resolve_version(repo_path: Path | None, b: Model) -> str:
@@ -280,33 +295,82 @@ def _resolve_version(repo_path: Path | None, b: Model) -> str:
 
 def _execute(cfg: Any, stop: StopRequest) -> JobResult:
     p = plan(cfg)
-    cfg, tf, run_dir, key, model_name = p.cfg, p.tf, p.run_dir, p.key, p.model_name
-    steps, epochs, eval_every, seed, run_name = p.steps, p.epochs, p.eval_every, p.seed, p.run_name
-    params, datasets, dataset_facts, model_versions = p.params, p.datasets, p.dataset_facts, p.model_versions
-    tracking_on, tracking_uri, runs_root = p.tracking_on, p.tracking_uri, p.runs_root
+    run_dir = p.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, Any] = dict(p.inputs)
-    for name, b in tf.bindings.items():
+    for name, b in p.tf.bindings.items():
         if isinstance(b, Output):
             kwargs[name] = b.bind(run_dir / "output")
         elif isinstance(b, Model):
-            version = model_versions[name].rsplit("@", 1)[1]
+            version = p.model_versions[name].rsplit("@", 1)[1]
             dest = run_dir / "init_models" / name / version
             if not dest.exists():
                 export_version(p.model_repo(create=False), b.name, version, dest)
             kwargs[name] = b.bind(dest, version)
 
+    lock = RunLock(run_dir)  # one process per run directory: a second one would fork the history
+    try:
+        return _execute_locked(p, kwargs, stop)
+    finally:
+        lock.release()
+
+
+class RunLock:
+    """An exclusive lock on ``<run_dir>/.lock`` held while a job runs.
+
+    ``flock`` works on local disks and on NFS with lock support; where the filesystem refuses locks
+    (ENOLCK) the job goes on with a warning rather than not at all.
+
+    Raises:
+        ConfigError: another process holds the run (its host and pid are named).
+    """
+
+    def __init__(self, run_dir: Path):
+        import fcntl
+
+        self._fh = open(run_dir / ".lock", "a+")
+        try:
+            fcntl.flock(self._fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._fh.seek(0)
+            holder = self._fh.read().strip() or "another process"
+            self._fh.close()
+            raise ConfigError(f"run {run_dir} is being trained by {holder}; wait for it to end (two processes "
+                              "on one run would fork its checkpoints and its MLflow curve)") from None
+        except OSError as exc:
+            log.warning("cannot lock %s (%s): make sure no other process runs this job", run_dir, exc)
+        self._fh.seek(0)
+        self._fh.truncate()
+        self._fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        self._fh.flush()
+
+    def release(self) -> None:
+        self._fh.close()  # closing drops the flock
+
+
+def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest) -> JobResult:
+    cfg, tf, run_dir, key, model_name = p.cfg, p.tf, p.run_dir, p.key, p.model_name
+    steps, epochs, eval_every, seed, run_name = p.steps, p.epochs, p.eval_every, p.seed, p.run_name
+    params, datasets, dataset_facts, model_versions = p.params, p.datasets, p.dataset_facts, p.model_versions
+    tracking_on, tracking_uri, runs_root = p.tracking_on, p.tracking_uri, p.runs_root
     info_path = run_dir / "run.json"
     info = read_json(info_path, default=None) or {
         "run_key": key, "model": model_name, "run_name": run_name, "target": tf.target, "params": params,
         "seed": seed, "datasets": dataset_facts, "init_models": model_versions, "created": time.time(),
         "starts": [], "completed": None,
     }
-    done = info.get("completed")
-    if done and done.get("steps") == steps and done.get("epochs") == epochs and done.get("version"):
-        log.info("run %s already finished at step %s; nothing to train", run_dir, done.get("final_step"))
-        print(f"model {model_name} version {done['version']}", flush=True)
-        return JobResult(0, done["version"], run_dir, done.get("final_step"))
+    for done in reversed(info.get("completions") or ([info["completed"]] if info.get("completed") else [])):
+        if done.get("steps") == steps and done.get("epochs") == epochs and done.get("version"):
+            log.info("run %s already finished at step %s; nothing to train", run_dir, done.get("final_step"))
+            print(f"model {model_name} version {done['version']}", flush=True)
+            return JobResult(0, done["version"], run_dir, done.get("final_step"))
+    existing = CheckpointStore(run_dir / "checkpoints", key).complete() if (run_dir / "checkpoints").is_dir() else []
+    if p.resume == "never" and existing:
+        raise ConfigError(f"job.resume=never but {run_dir / 'checkpoints'} already holds checkpoints of this run; "
+                          "nothing is deleted: move them away or use job.resume=auto")
+    if steps is not None and existing and existing[-1].step > steps:
+        raise ConfigError(f"job.steps={steps} is below step {existing[-1].step} of this run's newest checkpoint; "
+                          f"use job.steps>={existing[-1].step}, or a new run name (job.model=...)")
 
     start = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), **slurm_facts()}
     info["starts"].append(start)
@@ -347,23 +411,31 @@ def _execute(cfg: Any, stop: StopRequest) -> JobResult:
 
     finish_timeout = float(cfg.tracking.finish_timeout_s)
     installed = stop.install()
-    try:
-        result = tf.fn(**kwargs)
-    except KeyboardInterrupt:
-        log.error("interrupted at step %d; the newest complete checkpoint is kept", run.step)
-        tracker.finish("KILLED", timeout_s=min(finish_timeout, 10.0))
-        return JobResult(EXIT_INTERRUPTED, None, run_dir, run.step)
-    except ConfigError:
-        tracker.finish("FAILED", timeout_s=finish_timeout)
-        raise
-    except Exception:
-        log.error("the training function raised at step %d:\n%s", run.step, traceback.format_exc())
-        tracker.finish("FAILED", timeout_s=finish_timeout)
-        return JobResult(EXIT_FAILED, None, run_dir, run.step)
+    try:  # handlers kept through the commit and tracking's finish: a SIGTERM there only sets the flag
+        try:
+            result = tf.fn(**kwargs)
+        except KeyboardInterrupt:
+            log.error("interrupted at step %d; the newest complete checkpoint is kept", run.step)
+            tracker.finish("KILLED", timeout_s=min(finish_timeout, 10.0))
+            return JobResult(EXIT_INTERRUPTED, None, run_dir, run.step)
+        except ConfigError:
+            tracker.finish("FAILED", timeout_s=finish_timeout)
+            raise
+        except Exception:
+            log.error("the training function raised at step %d:\n%s", run.step, traceback.format_exc())
+            tracker.finish("FAILED", timeout_s=finish_timeout)
+            return JobResult(EXIT_FAILED, None, run_dir, run.step)
+        return _finish(p, run, result, tracker, info, info_path, code, tracking_on, finish_timeout, stop)
     finally:
         if installed:
             stop.uninstall()
 
+
+def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any], info_path: Path, code: Any,
+            tracking_on: bool, finish_timeout: float, stop: StopRequest) -> JobResult:
+    tf, run_dir, key, model_name = p.tf, p.run_dir, p.key, p.model_name
+    steps, epochs, eval_every, seed, run_name = p.steps, p.epochs, p.eval_every, p.seed, p.run_name
+    params, dataset_facts, model_versions = p.params, p.dataset_facts, p.model_versions
     if run.evicted:
         ck = run.latest_checkpoint
         log.warning("evicted at step %d (%s); newest checkpoint: %s; run the same job again to resume",
@@ -411,8 +483,9 @@ def _execute(cfg: Any, stop: StopRequest) -> JobResult:
     tracker.set_tags({"gwenlake.version": version})
     info["completed"] = {"steps": steps, "epochs": epochs, "final_step": run.step, "version": version,
                          "time": time.time()}
+    info.setdefault("completions", []).append(info["completed"])
     write_json_atomic(info_path, info)
-    tracker.finish("FINISHED", timeout_s=finish_timeout)
+    tracker.finish("FINISHED", timeout_s=min(finish_timeout, 5.0) if stop.requested else finish_timeout)
     print(f"model {model_name} version {version}", flush=True)
     return JobResult(0, version, run_dir, run.step)
 

@@ -364,4 +364,4 @@ class Run:
         if flush is not None:
             flush(timeout_s=5.0)
         if keep is not None:
-            self.store.retain(int(keep))
+            self.store.retain(int(keep), newest=ck.step)

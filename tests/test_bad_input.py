@@ -14,7 +14,7 @@ def snapshot(root):
     out = {}
     for p in sorted((root / "runs").rglob("*")):
         # run.json records each start; checkpoints and outputs are what must not change
-        if p.is_file() and p.name not in ("mlflow.db", "run.json"):
+        if p.is_file() and p.name not in ("mlflow.db", "run.json", ".lock"):
             out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
 
@@ -39,13 +39,18 @@ def trained(project):
     (["+job=t", "job.target=trainer.py:nothing"], "nothing"),
     (["+job=t", "job.target=no_such_module:fit"], "no_such_module"),
     ([], "+job=NAME"),
+    (["+job=t", "job.steps=-5"], "job.steps"),
+    (["+job=t", "job.eval_every=0"], "job.eval_every"),
+    (["+job=t", "launcher.progress=banana"], "launcher.progress"),
 ])
 def test_config_errors_exit_2_and_delete_nothing(trained, args, needle):
     before = snapshot(trained.root)
+    starts = (next((trained.root / "runs" / "t.model").iterdir()) / "run.json").read_text()
     proc = trained.run(*args, "job.tracking=false" if "tracking.uri" not in " ".join(args) else "job.tracking=true")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert needle in proc.stdout + proc.stderr
     assert snapshot(trained.root) == before
+    assert (next((trained.root / "runs" / "t.model").iterdir()) / "run.json").read_text() == starts  # no start
 
 
 def test_missing_dataset(trained):

@@ -36,8 +36,9 @@ def test_partial_and_damaged_are_never_latest(tmp_path):
     assert store.latest().step == 10
     damaged = _write(store, 30, b"good")
     (damaged.path / "weights.bin").write_bytes(b"evil")
-    assert store.latest().step == 10  # sha256 mismatch: skipped, left on disk
-    assert damaged.path.exists()
+    assert store.latest().step == 10  # sha256 mismatch: skipped, set aside for inspection
+    assert not damaged.path.exists()
+    assert [p for p in (tmp_path / "ck").iterdir() if p.name.startswith(".damaged-step-000000030")]
     assert store.clean_partials() == [pending.dir]
     assert not pending.dir.exists()
 
@@ -76,3 +77,25 @@ def test_bad_names_and_keep(tmp_path):
     with pytest.raises(ConfigError, match="keep"):
         store.retain(0)
     assert os.listdir(p.dir) == [".gwenlake-partial"]
+
+
+def test_damaged_newest_is_set_aside_and_its_step_can_be_rewritten(tmp_path):
+    store = CheckpointStore(tmp_path / "ck", "k")
+    _write(store, 500)
+    bad = _write(store, 1000)
+    (bad.path / "weights.bin").write_bytes(b"flipped")
+    assert store.latest().step == 500  # resume from 500...
+    aside = [p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith(".damaged-step-000001000")]
+    assert len(aside) == 1  # ...the damaged one kept for inspection, out of the way
+    again = _write(store, 1000, b"redone")  # the resumed run writes step 1000 again
+    assert store.latest().step == 1000 and (again.path / "weights.bin").read_bytes() == b"redone"
+
+
+def test_retention_never_deletes_what_was_just_written(tmp_path):
+    store = CheckpointStore(tmp_path / "ck", "k")
+    _write(store, 1000)
+    _write(store, 1500)  # newer than what a resumed run writes next (an abandoned history)
+    just = _write(store, 1200)
+    store.retain(1, newest=just.step)
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert "step-000001200" in names and "step-000001000" not in names

@@ -141,6 +141,9 @@ def test_longer_steps_extends_finished_run_and_params_start_new(project):
     client, runs = mlflow_runs(project)
     assert len(runs) == 1
     assert_one_point_per_step(client, runs[0].info.run_id, "loss", range(1, 81))
+    assert version_of(project.run("+job=t", check=0)) == v1  # back to 60 steps: the version of 60 steps
+    shorter = project.run("+job=t", "job.steps=50")
+    assert shorter.returncode == 2 and "below step 80" in shorter.stdout + shorter.stderr
     project.run("+job=t", "job.params.lr=0.02", check=0)
     assert len(list((project.root / "runs" / "t.model").iterdir())) == 2
     # the user's working tree, index and branch were never touched
@@ -152,3 +155,17 @@ def test_tracking_false_touches_no_store(project):
     project.run("+job=t", "job.tracking=false", check=0)
     assert not (project.root / "runs" / "mlflow.db").exists()
     assert not (run_dir_of(project) / "tracking").exists()
+
+
+def test_second_process_on_the_same_run_is_refused(project):
+    f = project.root
+    first = project.popen("+job=t", "job.tracking=false", env={"GWL_TEST_PAUSE": f"10:{f}/reached:{f}/go"})
+    deadline = time.time() + 120
+    while not (f / "reached").exists():
+        assert time.time() < deadline
+        time.sleep(0.05)
+    second = project.run("+job=t", "job.tracking=false")
+    assert second.returncode == 2 and "is being trained by pid" in second.stdout + second.stderr
+    (f / "go").touch()
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, out + err

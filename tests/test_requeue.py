@@ -60,3 +60,12 @@ def test_secrets_go_to_a_private_file_never_the_script(tmp_path):
     assert all("s3cr3t" not in line for line in lines)
     with pytest.raises(ConfigError, match="API_TOKEN is not set"):
         write_secrets(lc, tmp_path, environ={})
+
+
+def test_additional_parameters_keys_and_resources_are_checked():
+    with pytest.raises(ConfigError, match="not an sbatch option name"):
+        sbatch_parameters(_launcher(additional_parameters={"mail-type=END --wrap": "x"}), "job")
+    with pytest.raises(ConfigError, match="launcher.mem_gb"):
+        sbatch_parameters(_launcher(mem_gb=-1), "job")
+    assert sbatch_parameters(_launcher(additional_parameters={"mail-type": "END"}), "job")[
+        "additional_parameters"]["mail-type"] == "END"

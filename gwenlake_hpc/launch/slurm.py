@@ -91,9 +91,16 @@ def sbatch_parameters(lc: Any, job_name: str) -> dict[str, Any]:
         params["mem"] = f"{int(float(lc.mem_gb) * 1024)}M"
     extra = {"requeue": True}
     for k, v in (OmegaConf.to_container(lc.additional_parameters) if lc.get("additional_parameters") else {}).items():
-        _check_value(f"additional_parameters.{k}", k)
+        if not re.fullmatch(r"[a-z][a-z0-9_-]*", str(k)):
+            raise ConfigError(f"launcher.additional_parameters: {k!r} is not an sbatch option name (e.g. mail-type)")
+        if not isinstance(v, (str, int, float, bool)):
+            raise ConfigError(f"launcher.additional_parameters.{k}: give a single value, not {type(v).__name__}")
         _check_value(f"additional_parameters.{k}", v)
         extra[str(k)] = v
+    for key in ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node", "mem_gb"):
+        value = lc.get(key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"launcher.{key}={value}: must be positive (or null for the cluster's default)")
     params["additional_parameters"] = extra
     _check_value("job name", job_name)
     return params
