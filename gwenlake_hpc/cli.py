@@ -222,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --- gwenlake-train ------------------------------------------------------------------------------------------------
 
 _SKIP_DIRS = {".git", ".venv", "venv", "env", "__pycache__", "site-packages", "node_modules", "runs", "data",
-              "models", "outputs", "multirun", "build", "dist"}
+              "models", "outputs", "multirun", "build", "dist", "tests", "gwenlake_hpc"}
 
 
 def discover(root: Path) -> dict[str, "object"]:
@@ -250,10 +250,12 @@ def discover(root: Path) -> dict[str, "object"]:
                 continue
             if "gwenlake_hpc" not in text or "@train" not in text:
                 continue
-            names = re.findall(r"@train\([\s\S]*?\)\s*\ndef\s+(\w+)", text)
+            names = re.findall(r"^@train\([\s\S]*?\)\s*\ndef\s+(\w+)", text, re.M)
+            module = _dotted_module(path, root)
             rel = os.path.relpath(path, Path.cwd())
             for name in names:
-                target = f"{rel}:{name}"
+                # Inside a package: import by module name, so its relative imports work.
+                target = f"{module}:{name}" if module else f"{rel}:{name}"
                 try:
                     tf = load_target(target)
                 except Exception as exc:  # a broken file must not hide the others
@@ -262,6 +264,18 @@ def discover(root: Path) -> dict[str, "object"]:
                 if isinstance(tf, TrainFunction):
                     found[target] = tf
     return found
+
+
+def _dotted_module(path: Path, root: Path) -> str | None:
+    """``examples.churn`` for ``<root>/examples/churn.py`` when every folder up to root is a package."""
+    rel = path.resolve().relative_to(root.resolve())
+    parts = list(rel.parts[:-1])
+    if not parts:
+        return None
+    for i in range(len(parts)):
+        if not (root.joinpath(*parts[: i + 1]) / "__init__.py").is_file():
+            return None
+    return ".".join([*parts, rel.stem])
 
 
 def train_main(argv: Sequence[str] | None = None) -> int:
