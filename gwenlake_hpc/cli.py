@@ -54,7 +54,8 @@ def _subcommand_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("tracking", help="MLflow tracking").add_subparsers(dest="action", required=True)
     sync = tr.add_parser("sync", help="deliver metric points a job could not deliver, then its final status")
-    sync.add_argument("run_dir", help="the run directory (<runs_root>/<model>/<run key>)")
+    sync.add_argument("run_dir", help="the run directory (<runs_root>/<model>/<run key>), or one of its "
+                                      "tracking state folders (tracking-<hash> after a change of tracking.uri)")
     sync.add_argument("--uri", help="tracking URI to deliver to (default: the one the job used)")
     sync.add_argument("--timeout", type=float, default=60.0, help="seconds to keep trying (default 60)")
 
@@ -122,7 +123,9 @@ def run_subcommand(argv: Sequence[str]) -> int:
         if args.command == "tracking":
             from .tracking import sync as tracking_sync
 
-            res = tracking_sync(Path(args.run_dir) / "tracking", uri=args.uri, timeout_s=args.timeout)
+            target = Path(args.run_dir)
+            state = target if (target / "tracking.json").exists() else target / "tracking"
+            res = tracking_sync(state, uri=args.uri, timeout_s=args.timeout)
             print(f"run {res['run_id']}: delivered {res['delivered']} points, {res['remaining']} remaining, "
                   f"status {res['status'] or 'unchanged'}")
             return 0 if res["remaining"] == 0 else 1

@@ -34,7 +34,7 @@ from .fsutil import read_json, write_json_atomic
 from .checkpoint import CheckpointStore
 from .run import Run, seed_everything
 from .signals import StopRequest
-from .tracking import NullTracker, Tracker, default_uri, flatten, is_sqlite, validate_uri
+from .tracking import NullTracker, Tracker, default_uri, flatten, is_sqlite, state_dir_for, validate_uri
 from .versioning import code_state, commit_model, default_model_repo, export_version, list_versions, open_model_repo
 
 log = logging.getLogger("gwenlake_hpc.job")
@@ -388,7 +388,7 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest) -> Jo
             tags.update({"gwenlake.code_commit": code.commit, "gwenlake.code_dirty": str(code.dirty).lower()})
         tags.update({f"slurm.{k[6:].lower()}": v for k, v in slurm_facts().items()})
         artifact_location = (runs_root / "mlartifacts" / model_name).as_uri() if is_sqlite(tracking_uri) else None
-        tracker: Any = Tracker(tracking_uri, model_name, key, run_dir / "tracking",
+        tracker: Any = Tracker(tracking_uri, model_name, key, state_dir_for(run_dir, tracking_uri),
                                params=flatten({"params": params, "seed": seed}), tags=tags,
                                artifact_location=artifact_location,
                                flush_interval_s=float(cfg.tracking.flush_interval_s))

@@ -37,6 +37,7 @@ import functools
 import json
 import logging
 import math
+import hashlib
 import os
 import queue
 import shutil
@@ -191,6 +192,24 @@ def _set_http_defaults() -> None:
 
 # --------------------------------------------------------------------------------------------
 # Params
+
+
+def state_dir_for(run_dir: str | os.PathLike[str], uri: str) -> Path:
+    """The tracking state folder of a run for ``uri``: ``<run_dir>/tracking`` for the URI the run first
+    reported to, ``<run_dir>/tracking-<hash>`` for another one.
+
+    An MLflow run lives in one store: after a change of ``tracking.uri`` the run reports into a run of its
+    own in the new store (whole from then on) instead of re-pointing the first one's run id at a store that
+    does not know it, and a later return to the first URI finds its run again.
+    """
+    base = Path(run_dir) / "tracking"
+    stored = _read_json_dict(base / TRACKING_JSON).get("uri")
+    if stored is None or stored == _redact_uri(validate_uri(uri), keep_user=True):
+        return base
+    digest = hashlib.sha256(_redact_uri(uri, keep_user=True).encode()).hexdigest()[:8]
+    logger.warning("tracking.uri differs from the one this run first reported to (%s); reporting into a separate "
+                   "MLflow run for %s (state in %s)", _redact_uri(stored), _redact_uri(uri), base.name + "-" + digest)
+    return Path(run_dir) / f"tracking-{digest}"
 
 
 def flatten(d: Mapping[Any, Any], prefix: str = "") -> dict[str, str]:

@@ -169,3 +169,20 @@ def test_second_process_on_the_same_run_is_refused(project):
     (f / "go").touch()
     out, err = first.communicate(timeout=120)
     assert first.returncode == 0, out + err
+
+
+def test_changed_tracking_uri_does_not_repoint_the_first_run(project):
+    project.run("+job=t", check=0)
+    rd = run_dir_of(project)
+    first_id = (rd / "tracking" / "run_id").read_text().strip()
+    other = f"sqlite:///{project.root / 'other.db'}"
+    moved = project.run("+job=t", "job.steps=80", f"tracking.uri={other}", check=0)
+    assert "differs from the one this run first reported to" in moved.stdout + moved.stderr
+    assert (rd / "tracking" / "run_id").read_text().strip() == first_id
+    project.run("+job=t", "job.steps=100", check=0)  # back on the first store: the same MLflow run
+    client, runs = mlflow_runs(project)
+    assert [r.info.run_id for r in runs] == [first_id]
+    steps = sorted(m.step for m in client.get_metric_history(first_id, "loss"))
+    assert steps == [*range(1, 61), *range(81, 101)]
+    other_runs = MlflowClient(other).search_runs([MlflowClient(other).get_experiment_by_name("t.model").experiment_id])
+    assert len(other_runs) == 1
