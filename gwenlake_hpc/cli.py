@@ -48,6 +48,7 @@ def _subcommand_parser() -> argparse.ArgumentParser:
     imp.add_argument("name", help="dataset name group.name, e.g. crm.churn-train")
     imp.add_argument("--data-root", default="data", help="catalog root (paths.data_root), default ./data")
     imp.add_argument("--columns", help="comma-separated columns to keep (default: all)")
+    imp.add_argument("--force", action="store_true", help="replace the dataset if it exists (a new revision)")
     show = data.add_parser("show", help="print a dataset's rows, columns and revision")
     show.add_argument("name")
     show.add_argument("--data-root", default="data")
@@ -94,6 +95,10 @@ def run_subcommand(argv: Sequence[str]) -> int:
 
             catalog = Catalog(args.data_root)
             if args.action == "import":
+                if catalog.exists(args.name) and not args.force:
+                    print(f"error: dataset {args.name} exists at {catalog.path(args.name)}; add --force to replace "
+                          "it (runs keyed to its old revision keep their checkpoints)", file=sys.stderr)
+                    return EXIT_USAGE
                 cols = [c.strip() for c in args.columns.split(",")] if args.columns else None
                 rev = catalog.import_table(args.source, args.name, columns=cols)
                 ds = catalog.open(args.name)
@@ -135,7 +140,10 @@ def run_subcommand(argv: Sequence[str]) -> int:
             repo = open_model_repo(Path(args.repo) if args.repo else default_model_repo(Path.cwd()),
                                    create=args.action == "commit")
             if args.action == "list":
-                for v in list_versions(repo, args.name):
+                versions = list_versions(repo, args.name)
+                if not versions:
+                    print(f"no versions of {args.name} in {repo.working_dir}")
+                for v in versions:
                     print(f"{v['version']}  {v['date']}  {v['message'].splitlines()[0] if v['message'] else ''}")
                 return 0
             sha = commit_model(repo, args.name, Path(args.directory),

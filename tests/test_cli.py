@@ -61,6 +61,9 @@ def test_data_import_csv_then_show_and_train_on_it(project):
     pd.DataFrame({"a": [1.5, 2.5, 3.5], "label": ["x", "y", "x"]}).to_csv(csv, index=False)
     proc = project.run("data", "import", str(csv), "t.imported", "--data-root", "data", check=0)
     assert "3 rows" in proc.stdout and "a, label" in proc.stdout
+    again = project.run("data", "import", str(csv), "t.imported")
+    assert again.returncode == 2 and "--force" in again.stderr  # an existing dataset is never replaced silently
+    project.run("data", "import", str(csv), "t.imported", "--force", check=0)
     show = project.run("data", "show", "t.imported", check=0)
     assert "label: str" in show.stdout
     bad = project.run("data", "import", str(csv), "../escape")

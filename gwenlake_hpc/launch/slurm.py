@@ -120,22 +120,26 @@ def setup_lines(lc: Any, secrets_file: Path | None) -> list[str]:
     return lines
 
 
+def _check_secrets(lc: Any, environ: Mapping[str, str] = os.environ) -> list[str]:
+    names = [str(n) for n in lc.get("secrets") or []]
+    for name in names:
+        if not _NAME_RE.match(name):
+            raise ConfigError(f"launcher.secrets: {name!r} is not a valid environment variable name")
+        if name not in environ:
+            raise ConfigError(f"launcher.secrets: {name} is not set in the submitting environment; export it first")
+    return names
+
+
 def write_secrets(lc: Any, folder: Path, environ: Mapping[str, str] = os.environ) -> Path | None:
     """Write the values of ``launcher.secrets`` to a 0600 file that the job sources; None if no secrets.
 
     Raises:
         ConfigError: a name is not a valid variable name or is not set in the submitting environment.
     """
-    names = [str(n) for n in lc.get("secrets") or []]
+    names = _check_secrets(lc, environ)
     if not names:
         return None
-    lines = []
-    for name in names:
-        if not _NAME_RE.match(name):
-            raise ConfigError(f"launcher.secrets: {name!r} is not a valid environment variable name")
-        if name not in environ:
-            raise ConfigError(f"launcher.secrets: {name} is not set in the submitting environment; export it first")
-        lines.append(f"{name}={shlex.quote(environ[name])}\n")
+    lines = [f"{name}={shlex.quote(environ[name])}\n" for name in names]
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "secrets.env"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -206,6 +210,7 @@ def submit(cfg: DictConfig) -> Submission | None:
         log.warning("tracking.uri is SQLite (%s): SQLite on a shared filesystem is not safe for many concurrent "
                     "jobs; use an MLflow server (tracking.uri=http://host:5000)", p.tracking_uri)
     if lc.dry_run:
+        _check_secrets(lc)
         print(render_script(cfg, p.run_dir))
         return None
     folder = Path(lc.folder) if lc.get("folder") else p.run_dir / "slurm"
