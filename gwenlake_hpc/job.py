@@ -325,20 +325,31 @@ class RunLock:
         ConfigError: another process holds the run (its host and pid are named).
     """
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, wait_s: float | None = None):
         import fcntl
 
+        if wait_s is None:
+            # A requeued SLURM job may start while the lock of its lost node has not expired yet (NFS leases
+            # last about 90 s): wait for it there; locally, a second process is refused at once.
+            wait_s = 180.0 if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0 else 0.0
         self._fh = open(run_dir / ".lock", "a+")
-        try:
-            fcntl.flock(self._fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._fh.seek(0)
-            holder = self._fh.read().strip() or "another process"
-            self._fh.close()
-            raise ConfigError(f"run {run_dir} is being trained by {holder}; wait for it to end (two processes "
-                              "on one run would fork its checkpoints and its MLflow curve)") from None
-        except OSError as exc:
-            log.warning("cannot lock %s (%s): make sure no other process runs this job", run_dir, exc)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(self._fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(2.0)
+                    continue
+                self._fh.seek(0)
+                holder = self._fh.read().strip() or "another process"
+                self._fh.close()
+                raise ConfigError(f"run {run_dir} is being trained by {holder}; wait for it to end (two processes "
+                                  "on one run would fork its checkpoints and its MLflow curve)") from None
+            except OSError as exc:
+                log.warning("cannot lock %s (%s): make sure no other process runs this job", run_dir, exc)
+                break
         self._fh.seek(0)
         self._fh.truncate()
         self._fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
