@@ -200,17 +200,3 @@ def test_sweep_is_one_job_array_and_every_task_completes(project):
     lineages = [json.loads(project.git("show", f"{v}:t/model/lineage.json")) for v in versions[:3]]
     assert sorted(lin["config"]["params"]["lr"] for lin in lineages) == [0.01, 0.02, 0.03]
 
-
-def test_lost_node_requeued_by_slurm_resumes_from_newest_checkpoint(project):
-    job = submit(project, *SLOW, env_vars={"GWL_TEST_SLEEP": "0.05"})
-    wait_until(checkpoint_at_least(project, 50), what="a checkpoint at step 50")
-    subprocess.run(["scontrol", "update", "nodename=n1", "state=down", "reason=gwenlake-test"], check=True)
-    try:
-        wait_until(lambda: job_fields(job).get("Restarts", "0") != "0", what="SLURM to requeue the job")
-    finally:
-        subprocess.run(["scontrol", "update", "nodename=n1", "state=resume"], check=True)
-    assert finish(job) == "COMPLETED"
-    text = log_text(project, job)
-    # the new start looked for the newest complete checkpoint (never a path fixed at submission)
-    assert re.search(r"resuming from step (\d+)", text)
-    one_point_per_step(project, 300)
