@@ -47,9 +47,9 @@ def report(run_dir: str | Path, out: str | Path | None = None, uri: str | None =
         raise ConfigError(f"{run_dir} has no MLflow run (tracking was off, or it never reached the server)")
     client = MlflowClient(uri or state["uri"])
     run = client.get_run(run_id_file.read_text().strip())
-    history = {k: [(m.step, m.timestamp) for m in client.get_metric_history(run.info.run_id, k)]
-               for k in sorted(run.data.metrics)}
-    values = {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)} for k in history}
+    points = {k: client.get_metric_history(run.info.run_id, k) for k in sorted(run.data.metrics)}
+    history = {k: [(m.step, m.timestamp) for m in ms] for k, ms in points.items()}
+    values = {k: {m.step: m.value for m in ms} for k, ms in points.items()}
     if not history:
         raise ConfigError(f"MLflow run {run.info.run_id} has no metrics yet")
     starts = [s["time"] for s in (read_json(run_dir / "run.json", default={}) or {}).get("starts", [])]

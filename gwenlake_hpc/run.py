@@ -317,7 +317,7 @@ class Run:
         return {**self._summary, "step": float(self.step)}
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
-    def state_dict(self, per_epoch: int | None = None) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """The Run's own state saved in every checkpoint."""
         return {
             "run_key": self.run_key,

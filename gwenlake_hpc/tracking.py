@@ -240,11 +240,6 @@ def flatten(d: Mapping[Any, Any], prefix: str = "") -> dict[str, str]:
 # State files
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    # A reader (or a crash) never sees a half-written file.
-    write_atomic(path, text)
-
-
 def _read_run_id(state_dir: Path) -> str | None:
     try:
         run_id = (state_dir / RUN_ID_FILE).read_text(encoding="utf-8").strip()
@@ -449,7 +444,7 @@ class _RunSession:
         self.run_id = run.info.run_id
         # Written before anything else can fail, so that a retry or the next process reattaches
         # to this run instead of creating a second one.
-        _write_atomic(state_dir / RUN_ID_FILE, self.run_id + "\n")
+        write_atomic(state_dir / RUN_ID_FILE, self.run_id + "\n")
         if on_run_id is not None:
             on_run_id(self.run_id)
         # Tags and params go through log_batch rather than create_run, so that one bad name is
@@ -726,7 +721,7 @@ class Tracker:
         }
         if stored_uri != self._uri:
             cfg["uri_password_removed"] = True
-        _write_atomic(self._state_dir / TRACKING_JSON, json.dumps(cfg, indent=2) + "\n")
+        write_atomic(self._state_dir / TRACKING_JSON, json.dumps(cfg, indent=2) + "\n")
         self._cfg = {**cfg, "uri": self._uri}
         self._run_id: str | None = _read_run_id(self._state_dir)
 
@@ -955,10 +950,10 @@ class Tracker:
             if self._pending_tags:
                 path = self._state_dir / PENDING_TAGS_FILE
                 tags = {**_read_json_dict(path), **self._pending_tags}
-                _write_atomic(path, json.dumps(tags, indent=2) + "\n")
+                write_atomic(path, json.dumps(tags, indent=2) + "\n")
                 self._pending_tags.clear()
             if kind == "finish":
-                _write_atomic(
+                write_atomic(
                     self._state_dir / PENDING_STATUS_FILE,
                     json.dumps({"status": status, "end_time": end_time}) + "\n",
                 )

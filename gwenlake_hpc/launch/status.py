@@ -186,4 +186,4 @@ class JobHandle:
 
     def cancel(self) -> None:
         """scancel the job (checkpoints kept)."""
-        subprocess.run(["scancel", self.job_id], check=False)
+        cancel(self.job_id)
