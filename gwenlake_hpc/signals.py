@@ -60,12 +60,18 @@ class StopRequest:
         """
         if threading.current_thread() is not threading.main_thread():
             return False
+        self._depth = getattr(self, "_depth", 0) + 1
+        if self._depth > 1:  # already installed by an outer owner (the SLURM entry point)
+            return True
         for s in signals:
             self._previous[s] = signal.signal(s, self._handle)
         return True
 
     def uninstall(self) -> None:
-        """Restore the handlers that were there before :meth:`install`."""
+        """Restore the handlers that were there before :meth:`install` (at the outermost uninstall)."""
+        self._depth = max(getattr(self, "_depth", 1) - 1, 0)
+        if self._depth:
+            return
         for s, h in self._previous.items():
             signal.signal(s, h)  # type: ignore[arg-type]
         self._previous.clear()

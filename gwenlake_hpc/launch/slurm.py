@@ -43,6 +43,18 @@ class SlurmEntry:
         self.cfg = dict(cfg)
 
     def __call__(self) -> dict[str, Any]:
+        from ..signals import StopRequest
+
+        # Our handlers replace submitit's at once: SLURM may send the time-limit warning seconds after the
+        # start, and submitit's own handler would end the job there ("timed-out too many times").
+        stop = StopRequest()
+        stop.install()
+        try:
+            return self._run(stop)
+        finally:
+            stop.uninstall()
+
+    def _run(self, stop: Any) -> dict[str, Any]:
         from ..job import execute
 
         cfg = OmegaConf.create(self.cfg)
@@ -50,7 +62,7 @@ class SlurmEntry:
         cfg.launcher = OmegaConf.create({"name": "local", "progress": launcher.get("progress", "lines"),
                                          "progress_every_s": launcher.get("progress_every_s", 30.0)})
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-        result = execute(cfg)
+        result = execute(cfg, stop=stop)
         if result.exit_code == 0:
             return {"version": result.version, "run_dir": str(result.run_dir), "final_step": result.final_step}
         if result.exit_code == EXIT_EVICTED:
