@@ -33,6 +33,8 @@ log = logging.getLogger("gwenlake_hpc.checkpoint")
 MANIFEST = "MANIFEST.json"
 PARTIAL_MARK = ".gwenlake-partial"
 RUN_STATE = "gwenlake-run-state.json"
+#: Per-rank state of a multi-task run (RNG, data position): ``gwenlake-ranks/rank-00001.json``.
+RANKS_DIR = "gwenlake-ranks"
 FORMAT = 1
 _COMPLETE_RE = re.compile(r"^step-(\d{9,})$")
 _PARTIAL_RE = re.compile(r"^\.partial-(\d{9,})-[0-9a-f]{12}$")
@@ -63,6 +65,16 @@ class Checkpoint:
         """The Run's own state saved with it (step, epoch, data position, RNG states, tracking run id)."""
         return json.loads((self.path / RUN_STATE).read_text())
 
+    def rank_state(self, rank: int) -> dict[str, Any] | None:
+        """The state rank ``rank`` of a multi-task run saved with it (RNG, data position), or None."""
+        p = self.path / rank_state_name(rank)
+        return json.loads(p.read_text()) if p.is_file() else None
+
+
+def rank_state_name(rank: int) -> str:
+    """Relative path of rank ``rank``'s state inside a checkpoint."""
+    return f"{RANKS_DIR}/rank-{int(rank):05d}.json"
+
 
 def _fsync_path(path: Path, directory: bool = False) -> None:
     if directory:
@@ -83,14 +95,17 @@ def _sha256(path: Path) -> str:
 class PendingCheckpoint:
     """A checkpoint being written: files go into :attr:`dir`, :meth:`commit` makes it complete."""
 
-    def __init__(self, store: "CheckpointStore", step: int):
+    def __init__(self, store: "CheckpointStore", step: int, scratch: Path | None = None):
         self.store = store
         self.step = step
+        self.metrics: dict[str, float] = {}
+        if scratch is not None:  # a rank other than 0: files go to a folder that is never sealed
+            self.dir = Path(scratch)
+            return
         self.dir = store.root / f".partial-{step:09d}-{uuid.uuid4().hex[:12]}"
         self.dir.mkdir(parents=True)
         # The mark proves to a later cleanup that this directory is a partial checkpoint of this run.
         (self.dir / PARTIAL_MARK).write_text(json.dumps({"run_key": store.run_key, "pid": os.getpid()}))
-        self.metrics: dict[str, float] = {}
 
     def path(self, name: str) -> Path:
         """Path of file ``name`` inside the checkpoint (sub-folders allowed, created on demand).
@@ -101,7 +116,7 @@ class PendingCheckpoint:
         rel = Path(name)
         if rel.is_absolute() or ".." in rel.parts or not rel.parts:
             raise ConfigError(f"checkpoint file name {name!r} must be a relative path inside the checkpoint")
-        if rel.parts[0] in (MANIFEST, PARTIAL_MARK, RUN_STATE):
+        if rel.parts[0] in (MANIFEST, PARTIAL_MARK, RUN_STATE, RANKS_DIR):
             raise ConfigError(f"checkpoint file name {name!r} is reserved by gwenlake_hpc; choose another name")
         target = self.dir / rel
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -184,6 +199,12 @@ class CheckpointStore:
         if manifest.get("run_key") != self.run_key or manifest.get("step") != int(m.group(1)):
             return None
         return manifest
+
+    def open(self, name: str) -> Checkpoint | None:
+        """The complete checkpoint ``<root>/<name>`` (e.g. ``step-000000100``) of this run, or None."""
+        path = self.root / name
+        manifest = self._read_manifest(path)
+        return Checkpoint(path, int(manifest["step"]), manifest) if manifest is not None else None
 
     def complete(self) -> list[Checkpoint]:
         """Checkpoints of this run with a readable manifest, oldest first (files not hashed; see latest)."""

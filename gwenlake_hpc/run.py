@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import logging
 import math
+import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
@@ -19,8 +22,9 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from .checkpoint import Checkpoint, CheckpointStore, PendingCheckpoint
-from .errors import ConfigError
+from .checkpoint import Checkpoint, CheckpointStore, PendingCheckpoint, rank_state_name
+from .distributed import Dist
+from .errors import CheckpointError, ConfigError
 from .progress import Progress
 from .signals import StopRequest
 
@@ -86,7 +90,12 @@ class CheckpointWriter:
         self.metrics: dict[str, float] = {}
 
     def path(self, name: str) -> Path:
-        """Path for file ``name`` in the checkpoint; see :meth:`PendingCheckpoint.path`."""
+        """Path for file ``name`` in the checkpoint; see :meth:`PendingCheckpoint.path`.
+
+        On ranks other than 0 of a multi-task run the path is in a scratch folder of that rank that is
+        discarded: rank 0's files are the checkpoint (the model and optimizer state are the same on every
+        rank); each rank's own RNG and data position are saved in it by the Run.
+        """
         return self._pending.path(name)
 
 
@@ -106,14 +115,23 @@ class Run:
         stop: the StopRequest the signal handlers set.
         resume: ``"auto"`` (resume from the newest complete checkpoint) or ``"never"``.
         progress: Progress mode (``auto``, ``bar``, ``lines``, ``off``) and ``progress_every_s``.
+        dist: this process's place in a multi-task run (:func:`gwenlake_hpc.distributed.setup`); default
+            a single process.
 
     Attributes read by user code: ``resumed``, ``resume_path``, ``start_step``, ``step``, ``epoch``,
-    ``at_eval``, ``stopping``, ``evicted``, ``total_steps``, ``run_dir``, ``seed``.
+    ``at_eval``, ``stopping``, ``evicted``, ``total_steps``, ``run_dir``, ``seed``, ``rank``, ``world_size``,
+    ``local_rank``, ``is_main``.
+
+    In a multi-task run every rank runs the same loop: with ``Input(...).batches()`` each rank reads its own
+    contiguous shard of every epoch (``len(batches) // world_size`` batches a rank, the remainder dropped),
+    a stop request seen by any rank ends the loop of all ranks after the same step, rank 0 alone writes
+    the checkpoint files, logs and commits, and every rank's RNG and data position are saved in the one
+    atomic checkpoint, so a resumed run continues exactly where it stopped.
     """
 
     def __init__(self, *, run_dir: Path, run_key: str, steps: int | None, epochs: int | None, eval_every: int,
                  seed: int, tracker: Any, stop: StopRequest, resume: str = "auto", progress: str = "auto",
-                 progress_every_s: float = 30.0):
+                 progress_every_s: float = 30.0, dist: Dist | None = None):
         if steps is not None and steps < 0:
             raise ConfigError(f"job.steps={steps}: must be >= 0")
         if epochs is not None and epochs < 1:
@@ -129,21 +147,32 @@ class Run:
         self.total_steps: int | None = steps
         self.tracker = tracker
         self._stop = stop
-        self._progress_mode = progress
+        self.dist = dist or Dist()
+        self.rank, self.world_size, self.local_rank = self.dist.rank, self.dist.world_size, self.dist.local_rank
+        self._progress_mode = progress if self.dist.is_main else "off"
         self._progress_every_s = progress_every_s
-        self.store = CheckpointStore(self.run_dir / "checkpoints", run_key)
-        removed = self.store.clean_partials()
-        if removed:
-            log.info("removed %d partial checkpoint(s) left by an interrupted writer", len(removed))
-
-        latest = self.store.latest() if resume == "auto" else None
         if resume not in ("auto", "never"):
             raise ConfigError(f"job.resume={resume!r}: use 'auto' or 'never'")
-        if resume == "never" and self.store.complete():
-            raise ConfigError(f"job.resume=never but {self.store.root} already holds checkpoints of this run; "
-                              "nothing is deleted: move them away or use job.resume=auto")
+        self.store = CheckpointStore(self.run_dir / "checkpoints", run_key)
+        self._scratch = self.run_dir / ".ranks" / f"rank-{self.rank:05d}"
+        latest = None
+        if self.dist.is_main:
+            removed = self.store.clean_partials()
+            if removed:
+                log.info("removed %d partial checkpoint(s) left by an interrupted writer", len(removed))
+            latest = self.store.latest() if resume == "auto" else None
+            if resume == "never" and self.store.complete():
+                raise ConfigError(f"job.resume=never but {self.store.root} already holds checkpoints of this "
+                                  "run; nothing is deleted: move them away or use job.resume=auto")
+        # Rank 0 alone chooses (and may set aside damaged ones); every rank resumes from its choice.
+        name = self.dist.broadcast(latest.path.name if latest else None)
+        if not self.dist.is_main and name is not None:
+            latest = self.store.open(name)
+            if latest is None:
+                raise RuntimeError(f"rank {self.rank}: checkpoint {name} chosen by rank 0 is not readable here; "
+                                   "is the run directory on a filesystem shared by all nodes?")
         self._resumed_from: Checkpoint | None = latest
-        self._run_state = latest.run_state() if latest else None
+        self._run_state = self._own_state(latest) if latest else None
         self.start_step = latest.step if latest else 0
         self.step = self.start_step
         self.epoch = 0
@@ -155,6 +184,25 @@ class Run:
         self._iterated = False
         self._summary: dict[str, float] = {}
         self._progress: Progress | None = None
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0 (always in a single-process run): the rank that writes, logs and commits."""
+        return self.dist.is_main
+
+    def _own_state(self, ck: Checkpoint) -> dict[str, Any]:
+        """This rank's state from a checkpoint: rank 0's is the Run state, the others' their rank files."""
+        state = ck.run_state()
+        if self.rank == 0 and state.get("world_size", 1) == self.world_size:
+            return state
+        mine = ck.rank_state(self.rank) if self.rank else state
+        if mine is None or state.get("world_size", 1) != self.world_size:
+            log.warning("checkpoint %s was written by %s rank(s), this run has %d: rank %d's RNG is re-seeded "
+                        "and the data shards differ, so the resumed run is not identical to an uninterrupted one",
+                        ck.path.name, state.get("world_size", 1), self.world_size, self.rank)
+            seed_everything(self.seed + self.rank)
+            return {**state, "rng": rng_state()}
+        return {**state, **mine}
 
     # -- resume facts ------------------------------------------------------------------------------------------
     @property
@@ -175,17 +223,28 @@ class Run:
     def steps_for(self, rows: int, batch_size: int, drop_last: bool = False) -> int:
         """Steps this run takes over ``rows`` rows in batches of ``batch_size``.
 
-        ``ceil(rows / batch_size)`` (``floor`` with ``drop_last``) batches per epoch, times ``epochs`` (1 when the
-        run is set by ``steps``). Useful for LR schedules that need the total length.
+        ``ceil(rows / batch_size)`` (``floor`` with ``drop_last``) batches per epoch, divided by
+        ``world_size`` (rounded down) in a multi-task run, times ``epochs`` (1 when the run is set by
+        ``steps``). Useful for LR schedules that need the total length.
         """
         per_epoch = rows // batch_size if drop_last else math.ceil(rows / batch_size)
+        if self.world_size > 1:
+            per_epoch //= self.world_size
         return per_epoch * (self.epochs or 1)
 
     # -- the loop ----------------------------------------------------------------------------------------------
+    def _sharded(self, batches: Any) -> bool:
+        return self.world_size > 1 and hasattr(batches, "epoch") and hasattr(batches, "__len__")
+
     def _resolve_total(self, batches: Any) -> tuple[int, int | None]:
         per_epoch = len(batches) if batches is not None and hasattr(batches, "__len__") else None
         if per_epoch == 0:
             raise ConfigError("run.steps(): the batches are empty (0 batches per epoch)")
+        if per_epoch is not None and self._sharded(batches):
+            per_epoch //= self.world_size
+            if per_epoch == 0:
+                raise ConfigError(f"run.steps(): {len(batches)} batches per epoch cannot be shared by "
+                                  f"{self.world_size} ranks; use a smaller batch_size or fewer tasks")
         if self._steps_setting is not None:
             total = self._steps_setting
         elif self.epochs is not None:
@@ -205,11 +264,14 @@ class Run:
             while True:
                 yield 0, None
         if hasattr(batches, "epoch") and per_epoch:
-            # gwenlake Batches: the data position is computed, skipped batches are never read.
+            # gwenlake Batches: the data position is computed, skipped batches are never read. A rank of a
+            # multi-task run reads its own contiguous shard of each epoch's order.
             epoch, pos = divmod(start, per_epoch)
+            shard = self.rank * per_epoch if self._sharded(batches) else 0
             while True:
-                for b in batches.epoch(epoch, start=pos, seed=self.seed):
-                    yield epoch, b
+                it = batches.epoch(epoch, start=shard + pos, seed=self.seed)
+                for _ in range(per_epoch - pos):
+                    yield epoch, next(it)
                 epoch, pos = epoch + 1, 0
         # Any other re-iterable (a list, a DataLoader): skipping means reading.
         if start:
@@ -267,8 +329,13 @@ class Run:
         step = self.start_step
         try:
             while step < total:
+                # One decision for all ranks (a collective in a multi-task run): a stop request seen by any
+                # rank stops every rank after the same step.
+                final = self.dist.any(self._stop.requested)
+                if final and step > self.start_step and self._checkpoint_step == step:
+                    self.evicted = True  # the step just done wrote its checkpoint: end here
+                    break
                 step += 1
-                final = self._stop.requested
                 epoch, batch = next(stream)
                 self.step, self.epoch = step, epoch
                 self.stopping = final
@@ -280,9 +347,6 @@ class Run:
                     if self._checkpoint_step != step:
                         log.warning("stopped at step %d without a checkpoint of it: write one when run.at_eval "
                                     "is true, or the work since the last checkpoint is redone", step)
-                    break
-                if self._stop.requested and step < total and self._checkpoint_step == step:
-                    self.evicted = True
                     break
         finally:
             self.at_eval = self.stopping = False
@@ -323,8 +387,10 @@ class Run:
             "run_key": self.run_key,
             "step": self.step,
             "epoch": self.epoch,
-            "data_position": {"epoch": self.epoch, "next_global_batch": self.step},
+            "data_position": {"epoch": self.epoch, "next_global_batch": self.step, "rank": self.rank,
+                              "world_size": self.world_size},
             "seed": self.seed,
+            "world_size": self.world_size,
             "total_steps": self.total_steps,
             "rng": rng_state(),
             "tracking_run_id": getattr(self.tracker, "run_id", None),
@@ -345,17 +411,24 @@ class Run:
         """
         if keep is not None and int(keep) < 1:
             raise ConfigError(f"run.checkpoint(keep={keep}): keep must be at least 1 (or None to keep all)")
-        pending = self.store.begin(self.step)
-        writer = CheckpointWriter(pending)
-        try:
-            yield writer
-        except BaseException:
-            pending.abort()
-            raise
-        pending.metrics = {k: float(v) for k, v in writer.metrics.items()}
-        ck = pending.commit(self.state_dict())
-        self.latest_checkpoint = ck
-        self._checkpoint_step = self.step
+        if self.dist.enabled:
+            with self._checkpoint_multi() as writer:
+                yield writer
+            if not self.dist.is_main:
+                return
+            ck = self.latest_checkpoint
+        else:
+            pending = self.store.begin(self.step)
+            writer = CheckpointWriter(pending)
+            try:
+                yield writer
+            except BaseException:
+                pending.abort()
+                raise
+            pending.metrics = {k: float(v) for k, v in writer.metrics.items()}
+            ck = pending.commit(self.state_dict())
+            self.latest_checkpoint = ck
+            self._checkpoint_step = self.step
         if writer.metrics:
             self.log(writer.metrics)
         # Points up to this checkpoint become durable with it: a SIGKILL later loses none of them (the
@@ -365,3 +438,53 @@ class Run:
             flush(timeout_s=5.0)
         if keep is not None:
             self.store.retain(int(keep), newest=ck.step)
+
+    @contextlib.contextmanager
+    def _checkpoint_multi(self) -> Iterator[CheckpointWriter]:
+        """The checkpoint protocol of a multi-task run (every rank enters it at the same step).
+
+        Rank 0 opens the partial directory and tells the others its name; every rank writes its own state
+        (RNG, data position) into it, the user's files of ranks other than 0 go to a discarded scratch
+        folder; once all ranks report success, rank 0 seals it and tells the others whether it is sealed.
+        A failure on any rank aborts the checkpoint on all of them.
+        """
+        pending = self.store.begin(self.step) if self.dist.is_main else None
+        name = self.dist.broadcast(pending.dir.name if pending else None)
+        partial = self.store.root / name
+        if pending is None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            pending = PendingCheckpoint(self.store, self.step, scratch=self._scratch)
+        writer = CheckpointWriter(pending)
+        error: BaseException | None = None
+        try:
+            yield writer
+            if self.rank:
+                state = self.state_dict()
+                mine = {k: state[k] for k in ("rng", "data_position", "step", "epoch")}
+                target = partial / rank_state_name(self.rank)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(target, "w") as fh:
+                    json.dump(mine, fh, sort_keys=True)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+        except BaseException as exc:  # still take part in the vote, then re-raise
+            error = exc
+        failed = self.dist.any(error is not None)
+        sealed = None
+        if self.dist.is_main:
+            if failed:
+                pending.abort()
+            else:
+                pending.metrics = {k: float(v) for k, v in writer.metrics.items()}
+                try:
+                    sealed = pending.commit(self.state_dict())
+                except BaseException as exc:
+                    error = exc
+        name = self.dist.broadcast(sealed.path.name if sealed else None)
+        if error is not None:
+            raise error
+        if name is None:
+            raise CheckpointError(f"rank {self.rank}: the checkpoint of step {self.step} was not sealed "
+                                  "(another rank failed writing its part; see its log)")
+        self.latest_checkpoint = sealed or self.store.open(name)
+        self._checkpoint_step = self.step

@@ -1,0 +1,139 @@
+"""Multi-task runs: the process group from the SLURM environment, and the few collective decisions the Run needs.
+
+A job with several tasks (``launcher.nodes`` x ``launcher.tasks_per_node``) runs the same training function in
+every task. SLURM's facts (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_JOB_NODELIST``...) are read through
+submitit's ``TorchDistributedEnvironment``, which exports ``MASTER_ADDR`` (the first node), ``MASTER_PORT``
+(derived from the job id, so a requeued job finds the same one), ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``.
+Outside SLURM, a launcher such as ``torchrun`` that sets ``RANK``/``WORLD_SIZE`` works the same way.
+
+The training's own collectives (DDP's gradient all-reduce) use the default group: ``nccl`` on CUDA, ``gloo`` on
+the CPU. The Run's control decisions (did any rank get a stop request? which checkpoint do we resume?) go
+through a separate ``gloo`` group on CPU tensors, so they never synchronise a GPU stream.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger("gwenlake_hpc.distributed")
+
+#: Seconds a collective may wait for the other ranks before it fails (instead of hanging forever).
+#: It must cover a restarted rank 0 waiting for a lost node's run lock (up to 180 s).
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Dist:
+    """This process's place in the job: ``rank`` of ``world_size`` (``local_rank`` on its node).
+
+    A single-process run is ``Dist()`` (rank 0 of 1) and every method is a no-op there.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+    _control: Any = field(default=None, repr=False)
+
+    @property
+    def enabled(self) -> bool:
+        """True when there is more than one rank."""
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that writes checkpoints, logs to tracking and commits."""
+        return self.rank == 0
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on at least one (a collective: all ranks must call it)."""
+        if not self.enabled:
+            return bool(flag)
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
+        return bool(t.item())
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (a picklable value; a collective)."""
+        if not self.enabled:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0, group=self._control)
+        return box[0]
+
+    def barrier(self) -> None:
+        """Wait until every rank reaches this point."""
+        if self.enabled:
+            import torch.distributed as dist
+
+            dist.barrier(group=self._control)
+
+
+def from_environment() -> tuple[int, int, int] | None:
+    """``(rank, world_size, local_rank)`` of a multi-task job, or None for a single process.
+
+    SLURM (``SLURM_STEP_NUM_TASKS`` > 1: a job step of several tasks) first, through submitit's ``TorchDistributedEnvironment``;
+    then ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set by torchrun and the like.
+    """
+    # Only inside an srun step: the batch script itself also sees SLURM_NTASKS but is no rank.
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1:
+        from submitit.helpers import TorchDistributedEnvironment
+
+        # CUDA_VISIBLE_DEVICES is left as SLURM set it: the device is chosen from LOCAL_RANK instead.
+        env = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+        return env.rank, env.world_size, env.local_rank
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+    return None
+
+
+def setup(timeout_s: float | None = None) -> Dist:
+    """Join the job's process group (once per process) and return this process's :class:`Dist`.
+
+    The default group uses ``nccl`` when CUDA is available and ``gloo`` otherwise (``GWENLAKE_DIST_BACKEND``
+    overrides); a second ``gloo`` group carries the Run's control decisions. ``timeout_s`` (default
+    ``GWENLAKE_DIST_TIMEOUT_S`` or 600 s) bounds every collective: a rank that died makes the others fail
+    after it, not hang.
+
+    Raises:
+        RuntimeError: the rendezvous failed (e.g. ``MASTER_ADDR`` does not resolve on a node: list the node
+            names in ``/etc/hosts`` or DNS).
+    """
+    facts = from_environment()
+    if facts is None:
+        return Dist()
+    import torch.distributed as dist
+
+    rank, world, local = facts
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("GWENLAKE_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = os.environ.get("GWENLAKE_DIST_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    if not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(local % max(torch.cuda.device_count(), 1))
+        log.info("joining the process group: rank %d of %d (local rank %d), backend %s, master %s:%s",
+                 rank, world, local, backend, os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+        dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
+                                timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    return Dist(rank=rank, world_size=world, local_rank=local, backend=backend, _control=control)
+
+
+def teardown(d: Dist) -> None:
+    """Leave the process group (after the last collective)."""
+    if d.enabled:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
