@@ -71,6 +71,41 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# --- worker processes ---------------------------------------------------------------------------------------
+
+class ShieldedWorkerInit:
+    """A DataLoader ``worker_init_fn`` that makes the worker ignore the stop signals, then calls the user's.
+
+    SLURM signals every process of the job step (preemption, scancel, the time-limit warning), and PyTorch's
+    workers install a handler that dies on SIGTERM: the main process would then fail with "DataLoader worker
+    killed" in the middle of a step instead of checkpointing at its end. Workers ignore the signals; the main
+    process decides, and its exit ends them (PyTorch's shutdown, or its watchdog when the parent is gone).
+    Picklable, so it works with the ``spawn`` start method too.
+    """
+
+    def __init__(self, inner: Any = None):
+        self.inner = inner
+
+    def __call__(self, worker_id: int) -> None:
+        import signal
+
+        from .signals import STOP_SIGNALS
+
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
+def shield_workers(batches: Any) -> None:
+    """Give a ``torch.utils.data.DataLoader`` with worker processes a :class:`ShieldedWorkerInit` (once)."""
+    from torch.utils.data import DataLoader
+
+    if isinstance(batches, DataLoader) and batches.num_workers > 0 \
+            and not isinstance(batches.worker_init_fn, ShieldedWorkerInit):
+        batches.worker_init_fn = ShieldedWorkerInit(batches.worker_init_fn)
+
+
 # --- the checkpoint handle users see -------------------------------------------------------------------------
 
 class CheckpointWriter:
@@ -315,6 +350,7 @@ class Run:
         self._iterated = True
         total, per_epoch = self._resolve_total(batches)
         self.total_steps = total
+        shield_workers(batches)
         if self._run_state is not None:
             set_rng_state(self._run_state["rng"])
         if self.resumed:

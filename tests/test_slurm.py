@@ -200,3 +200,126 @@ def test_sweep_is_one_job_array_and_every_task_completes(project):
     lineages = [json.loads(project.git("show", f"{v}:t/model/lineage.json")) for v in versions[:3]]
     assert sorted(lin["config"]["params"]["lr"] for lin in lineages) == [0.01, 0.02, 0.03]
 
+
+
+def committed_model(project, job):
+    """The model.safetensors committed by ``job`` (its log's last line names the version)."""
+    from safetensors.torch import load_file
+
+    text = log_text_any(project, job)
+    version = re.findall(r"model t.model version ([0-9a-f]{40})", text)[-1]
+    path = project.root / f"model-{job}.safetensors"
+    path.write_bytes(subprocess.run(["git", "show", f"{version}:t/model/model.safetensors"], cwd=project.root,
+                                    capture_output=True, check=True).stdout)
+    return load_file(str(path))
+
+
+def log_text_any(project, job_id) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted(project.root.glob(f"runs*/t.model/*/slurm/{job_id}/*_log.*")))
+
+
+def test_multi_task_runs_agree_on_stop_and_resume_bit_identical(project):
+    """Two tasks on one node, and two nodes: gloo process group from the SLURM environment, one stop for all."""
+    two = ["launcher=slurm", "launcher.timeout_min=5", "launcher.tasks_per_node=2", "launcher.cpus_per_task=1",
+           "+launcher.additional_parameters.nodelist=n2"]
+    ref_job = submit(project, *two, "paths.runs_root=runs-ref")
+    assert finish(ref_job) == "COMPLETED"
+    reference = committed_model(project, ref_job)
+
+    # Rank 1 alone gets SIGTERM during step 23: both ranks stop after step 24 (the stop is agreed), exit 75,
+    # and no requeue (nothing says it was a time limit); the same submission again resumes.
+    job = submit(project, *two, env_vars={"GWL_TEST_SIGTERM_AT": "23", "GWL_TEST_SIGTERM_RANK": "1"})
+    finish(job)
+    text = log_text_any(project, job)
+    assert text.count("loop ended after step 24") == 2, text[-4000:]
+    ck = next(project.root.glob("runs/t.model/*/checkpoints/step-000000024"))
+    assert (ck / "gwenlake-ranks" / "rank-00001.json").is_file()
+    again = submit(project, *two)
+    assert finish(again) == "COMPLETED"
+    assert log_text_any(project, again).count("resuming from step 24") == 2
+    resumed = committed_model(project, again)
+    assert all((resumed[k] == reference[k]).all() for k in reference)
+
+    # Two nodes, one task each, preempted by a high-priority job on n1: SLURM requeues the whole job, the
+    # new start resumes on both nodes and ends with the same weights.
+    nodes = ["launcher=slurm", "launcher.timeout_min=5", "launcher.nodes=2", "launcher.cpus_per_task=2",
+             "paths.runs_root=runs-2n", "launcher.progress_every_s=1"]
+    job2 = submit(project, *nodes, env_vars={"GWL_TEST_SLEEP": "0.25"})
+    wait_until(lambda: list(project.root.glob("runs-2n/t.model/*/checkpoints/step-*")), what="a first checkpoint")
+    assert sh("sbatch", "--parsable", "-o", "/dev/null", "-p", "high", "-w", "n1", "-c", "2", "--wrap", "sleep 2")
+    assert finish(job2) == "COMPLETED"
+    assert job_fields(job2).get("Restarts") == "1"
+    text = log_text_any(project, job2)
+    assert text.count("resuming from step") == 2 and "n[1-2]" in sh("sacct", "-n", "-X", "-j", job2, "-o", "NodeList")
+    two_nodes = committed_model(project, job2)
+    assert all((two_nodes[k] == reference[k]).all() for k in reference)
+    client = MlflowClient(f"sqlite:///{project.root / 'runs-2n' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("t.model").experiment_id])
+    assert len(runs) == 1
+    assert sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")) == list(range(1, 61))
+
+
+def churn_project(tmp_path) -> "object":
+    import shutil
+
+    from conftest import REPO, Project, git
+
+    root = tmp_path / "churn"
+    root.mkdir()
+    shutil.copytree(REPO / "conf", root / "conf")
+    shutil.copytree(REPO / "examples", root / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    (root / ".gitignore").write_text("runs/\ndata/\n")
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "code")
+    return Project(root)
+
+
+def newest_step(root, pattern):
+    steps = [int(p.name.split("-")[1]) for p in root.glob(pattern)]
+    return max(steps) if steps else 0
+
+
+@pytest.mark.slow
+def test_churn_survives_preemption_sigkill_and_time_limit(tmp_path):
+    """The issue's done-when: the churn job on the cluster, preempted, its step SIGKILLed, past its time limit."""
+    project = churn_project(tmp_path)
+    pattern = "runs/crm.churn/*/checkpoints/step-*"
+    # A one-minute limit: SLURM sends the warning 30 to 60 s ahead, so each start trains 10-30 s (~15k steps).
+    proc = project.run("+job=churn", "job.steps=40000", "job.eval_every=2000", "launcher=slurm",
+                       "launcher.timeout_min=1", "launcher.signal_delay_s=30", "launcher.max_retries=12",
+                       "launcher.cpus_per_task=2", "+launcher.additional_parameters.nodelist=n1",
+                       "launcher.progress_every_s=5", check=0, timeout=600)
+    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    run_dir = Path(re.search(r"run directory (\S+)", proc.stdout).group(1))
+
+    def restarts():  # releasing a requeued job from SLURM's start delay as we go
+        f = job_fields(job)
+        if f.get("JobState") == "PENDING" and f.get("Reason") == "BeginTime":
+            release(int(job))
+        return int(f.get("Restarts", "0"))
+
+    def at_least(step):
+        return lambda: restarts() >= 0 and newest_step(project.root, pattern) >= step
+
+    wait_until(at_least(4000), what="a checkpoint at step 4000")
+    before = restarts()
+    assert sh("sbatch", "--parsable", "-o", "/dev/null", "-p", "high", "-w", "n1", "-c", "2", "--wrap", "sleep 2")
+    wait_until(lambda: restarts() > before, what="the preempted job requeued")
+    wait_until(at_least(newest_step(project.root, pattern) + 4000), what="progress after the requeue")
+    step_proc = f"^{re.escape(sys.executable)} -u -m submitit.core._submit {re.escape(str(run_dir))}"
+    pids = wait_until(lambda: sh("pgrep", "-f", step_proc).split(), what="the job step's process")
+    subprocess.run(["kill", "-9", *pids], check=True)
+    assert finish(job, timeout=900) == "COMPLETED"
+
+    text = "".join(p.read_text(errors="replace") for p in sorted((run_dir / "slurm" / job).glob("*_log.*")))
+    assert "SIGTERM" in text and "killed by signal" in text and re.search(r"time limit \(\d+ s left\): requeue", text)
+    version = re.findall(r"model crm.churn version ([0-9a-f]{40})", text)[-1]
+    metrics = json.loads(project.git("show", f"{version}:crm/churn/metrics.json"))
+    assert metrics["test_auc"] > 0.8
+    lineage = json.loads(project.git("show", f"{version}:crm/churn/lineage.json"))
+    assert {s["SLURM_JOB_ID"] for s in lineage["starts"]} == {job} and len(lineage["starts"]) >= 4
+    client = MlflowClient(f"sqlite:///{project.root / 'runs' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("crm.churn").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")) == list(range(1, 40001))

@@ -2,6 +2,7 @@
 
 Test hooks come from environment variables, never from params, so they do not change the run key:
   GWL_TEST_SIGTERM_AT=k       the process sends itself SIGTERM during step k (a real signal)
+  GWL_TEST_SIGTERM_RANK=r     ... only on rank r of a multi-task run (default: every rank)
   GWL_TEST_SIGKILL_IN_CKPT=k  SIGKILL half-way through writing the checkpoint of step k
   GWL_TEST_PAUSE=k:reached:go at step k, create file `reached` and wait for file `go` (may repeat, ';'-separated)
   GWL_TEST_SLEEP=s            sleep s seconds per step
@@ -43,20 +44,23 @@ def fit(data, output, run, config: Params):
     opt = torch.optim.Adam(model.parameters(), lr=config.lr)
     if run.resumed:
         load_state(run.resume_path / "state.safetensors", model=model, optimizer=opt)
+    # Several tasks: DDP averages the gradients over the ranks (gloo on the CPU), each rank on its own shard.
+    net = nn.parallel.DistributedDataParallel(model) if run.world_size > 1 else model
+    sigterm_rank = int(os.environ.get("GWL_TEST_SIGTERM_RANK", run.rank))
     sigterm_at = int(os.environ.get("GWL_TEST_SIGTERM_AT", "-1"))
     kill_at = int(os.environ.get("GWL_TEST_SIGKILL_IN_CKPT", "-1"))
     sleep_s = float(os.environ.get("GWL_TEST_SLEEP", "0"))
     pauses = _pauses()
     columns = ["x", "y", "nope"] if os.environ.get("GWL_TEST_BAD") == "column" else ["x", "y"]
     for step, batch in run.steps(data.batches(config.batch_size, columns=columns)):
-        loss = nn.functional.mse_loss(model(batch["x"]).squeeze(-1), batch["y"])
+        loss = nn.functional.mse_loss(net(batch["x"]).squeeze(-1), batch["y"])
         opt.zero_grad()
         loss.backward()
         opt.step()
         run.log({"loss": loss.item()})
         if step == 5 and os.environ.get("GWL_TEST_BAD") == "raise":
             raise RuntimeError("boom at step 5")
-        if step == sigterm_at:
+        if step == sigterm_at and run.rank == sigterm_rank:
             os.kill(os.getpid(), signal.SIGTERM)
         if step in pauses:
             reached, go = pauses[step]
@@ -85,3 +89,47 @@ def fit(data, output, run, config: Params):
         full = data.read(["x", "y"])
         mse = nn.functional.mse_loss(model(torch.from_numpy(full["x"])).squeeze(-1), torch.from_numpy(full["y"]))
     return {"final_loss": mse.item()}
+
+
+class _Rows(torch.utils.data.Dataset):
+    """The dataset's rows through a torch Dataset, read in DataLoader worker processes."""
+
+    def __init__(self, data):
+        full = data.read(["x", "y"])
+        self.x, self.y = torch.from_numpy(full["x"]), torch.from_numpy(full["y"])
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i], "pid": os.getpid()}
+
+
+@train(data=Input("t.rows"), output=Output("t.model"), steps=60, eval_every=10)
+def fit_loader(data, output, run, config: Params):
+    """The same model fed by a torch DataLoader with two worker processes (GWL_TEST_PAUSE works here too)."""
+    model = nn.Sequential(nn.Linear(4, config.hidden), nn.ReLU(), nn.Linear(config.hidden, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=config.lr)
+    if run.resumed:
+        load_state(run.resume_path / "state.safetensors", model=model, optimizer=opt)
+    pauses = _pauses()
+    loader = torch.utils.data.DataLoader(_Rows(data), batch_size=config.batch_size, num_workers=2,
+                                         persistent_workers=True)
+    for step, batch in run.steps(loader):
+        loss = nn.functional.mse_loss(model(batch["x"]).squeeze(-1), batch["y"])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        run.log({"loss": loss.item()})
+        if step in pauses:
+            reached, go = pauses[step]
+            reached.write_text(" ".join(str(int(p)) for p in set(batch["pid"].tolist())))
+            while not go.exists():
+                time.sleep(0.05)
+        if run.at_eval:
+            with run.checkpoint(keep=3) as ck:
+                save_state(ck.path("state.safetensors"), model=model, optimizer=opt)
+    if run.evicted:
+        return None
+    save_state(output.file("model.safetensors"), model=model)
+    return {"final_loss": loss.item()}
