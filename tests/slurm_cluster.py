@@ -16,6 +16,7 @@ import shutil
 import os
 import subprocess
 import time
+from pathlib import Path
 from collections.abc import Iterable, Sequence
 
 import pytest
@@ -162,3 +163,53 @@ def release(job_id: int) -> None:
     if proc is None or proc.returncode != 0:
         raise RuntimeError(f"scontrol update jobid={job_id} StartTime=now failed: "
                            f"{proc.stderr.strip() if proc else 'no answer'}")
+
+
+def _descendants(pids: Iterable[int]) -> list[int]:
+    """The pids and every process below them (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def lose_node(node: str, job_id: int) -> None:
+    """Simulate a node dying under a job: SIGKILL its slurmd, the job's slurmstepds and everything they
+    started, then tell the controller the node is down (``scontrol update nodename=N state=down``), as the
+    controller would decide by itself after ``SlurmdTimeout``. :func:`revive_node` brings it back."""
+    daemon = _run(["pgrep", "-f", f"^/usr/sbin/slurmd -N {node}$"])
+    steps = _run(["pgrep", "-f", rf"^slurmstepd: \[{job_id}\."])
+    pids = [int(p) for proc in (daemon, steps) if proc for p in proc.stdout.split()]
+    for pid in _descendants(pids):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    proc = _run(["scontrol", "update", f"nodename={node}", "state=down", "reason=lost-node-test"])
+    if proc is None or proc.returncode != 0:
+        raise RuntimeError(f"scontrol update nodename={node} state=down failed: {proc.stderr if proc else ''}")
+
+
+def revive_node(node: str, timeout_s: float = 60) -> None:
+    """Start the node's slurmd again and wait until the controller has it back in service."""
+    for sock in Path(f"/var/spool/slurmd-{node}").glob("*.socket"):  # the killed stepds' sockets
+        sock.unlink(missing_ok=True)
+    if not _run(["pgrep", "-f", f"^/usr/sbin/slurmd -N {node}$"]).stdout.strip():
+        subprocess.run(["/usr/sbin/slurmd", "-N", node], check=True, timeout=30)
+    _run(["scontrol", "update", f"nodename={node}", "state=resume"])
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if node_states().get(node, "").rstrip("*") in ("idle", "mix", "alloc"):
+            return
+        _run(["scontrol", "update", f"nodename={node}", "state=resume"])
+        time.sleep(1)
+    raise RuntimeError(f"node {node} did not come back: {node_states()}")

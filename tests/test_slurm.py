@@ -323,3 +323,26 @@ def test_churn_survives_preemption_sigkill_and_time_limit(tmp_path):
     runs = client.search_runs([client.get_experiment_by_name("crm.churn").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")) == list(range(1, 40001))
+
+
+def test_lost_node_requeues_and_resumes_from_newest_checkpoint(project):
+    """The node under the job dies (slurmd and the job's processes SIGKILLed, node set DOWN): SLURM requeues
+    the --requeue job elsewhere, and the new start finds the newest complete checkpoint."""
+    from slurm_cluster import lose_node, revive_node
+
+    job = submit(project, "job.steps=300", "launcher=slurm", "launcher.timeout_min=10", "launcher.cpus_per_task=2",
+                 "launcher.progress_every_s=2", env_vars={"GWL_TEST_SLEEP": "0.05"})
+    wait_until(checkpoint_at_least(project, 50), what="a checkpoint at step 50")
+    node = job_fields(job)["NodeList"]
+    assert node in ("n1", "n2")
+    try:
+        lose_node(node, int(job))
+        newest = max(int(p.name.split("-")[1]) for p in (run_dir(project) / "checkpoints").glob("step-*"))
+        assert finish(job, timeout=400) == "COMPLETED"
+    finally:
+        revive_node(node)
+    assert job_fields(job).get("Restarts") == "1"
+    assert job_fields(job)["NodeList"] != node
+    text = log_text(project, job)
+    assert f"resuming from step {newest}" in text
+    one_point_per_step(project, 300)
