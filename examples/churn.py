@@ -7,8 +7,10 @@ Checkpoints model and optimizer state at each evaluation; returns the held-out R
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,7 +50,26 @@ def evaluate(model: nn.Module, dataset, device: torch.device) -> float:
     return float(roc_auc_score(np.concatenate(labels), np.concatenate(scores)))
 
 
-@train(training_set=Input("crm.churn-train"), test_set=Input("crm.churn-test"), output=Output("crm.churn"),
+@functools.lru_cache(maxsize=8)
+def _load(model_dir: str) -> nn.Module:
+    spec = json.loads((Path(model_dir) / "model.json").read_text())
+    model = make_model(spec["n_features"], ChurnParams(hidden=spec["hidden"], dropout=spec["dropout"]))
+    load_state(Path(model_dir) / "model.safetensors", model=model)
+    return model.eval()
+
+
+@torch.no_grad()
+def predict(model_dir, batch) -> np.ndarray:
+    """Churn probabilities of a batch: ``batch["features"]`` float32 [n, 40] -> float32 [n].
+
+    The predict entry point of crm.churn versions (``gwenlake_hpc.load_model``, the release gate): runs on the
+    CPU, the model of ``model_dir`` loaded once per process.
+    """
+    return torch.sigmoid(_load(str(model_dir))(torch.as_tensor(batch["features"]))).numpy()
+
+
+@train(training_set=Input("crm.churn-train"), test_set=Input("crm.churn-test"),
+       output=Output("crm.churn", predict="examples.churn:predict", inputs=["features"]),
        steps=3000, eval_every=500, prepare=materialise)
 def fit(training_set, test_set, output, run, config: ChurnParams):
     device = default_device()

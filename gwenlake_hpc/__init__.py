@@ -9,8 +9,9 @@ __version__ = "0.1.0"
 from .api import Input, Model, Output, TrainFunction, train  # noqa: E402
 from .device import default_device  # noqa: E402
 from .errors import CheckpointError, ConfigError, DataError, GwenlakeError  # noqa: E402
+from .registry import LoadedModel, load_model  # noqa: E402
 from .run import Run  # noqa: E402
 from .state import load_state, save_state  # noqa: E402
 
 __all__ = ["train", "Input", "Output", "Model", "Run", "TrainFunction", "save_state", "load_state",
-           "default_device", "ConfigError", "DataError", "CheckpointError", "GwenlakeError", "__version__"]
+           "default_device", "load_model", "LoadedModel", "ConfigError", "DataError", "CheckpointError", "GwenlakeError", "__version__"]

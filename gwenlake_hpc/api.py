@@ -55,16 +55,31 @@ class Output:
     The name is the model's name: it names the MLflow experiment, the run directory's parent
     (``<paths.runs_root>/crm.churn/``) and the path ``crm/churn/`` in the model repository. In the function
     the binding is bound to a directory: write the final model files with ``output.file("model.safetensors")``.
+
+    ``predict="package.module:function"`` declares how to use the model: ``function(model_dir, batch)`` takes
+    the directory of a version's files (a Path) and a batch ``{column: numpy array [n, ...]}`` of input columns,
+    and returns scores as a numpy array ``[n]``. ``inputs`` names those columns (default: every column of the
+    first Input). Both are recorded with each version (``lineage.json``, key ``serving``, with the columns'
+    dtypes and shapes taken from the training dataset), so ``gwenlake_hpc.load_model`` and the release gate
+    can run any version.
     """
 
-    def __init__(self, name: str, *, path: str | os.PathLike | None = None):
+    def __init__(self, name: str, *, path: str | os.PathLike | None = None, predict: str | None = None,
+                 inputs: typing.Sequence[str] | None = None):
         self.name = check_name(name, "Output model")
         self._path = Path(path) if path is not None else None
+        if predict is not None and (not isinstance(predict, str)
+                                    or not re.match(r"^[\w.]+:[\w.]+$", predict)):
+            raise ConfigError(f"Output({name!r}, predict={predict!r}): use 'package.module:function'")
+        if inputs is not None and (isinstance(inputs, str) or not all(isinstance(c, str) for c in inputs)):
+            raise ConfigError(f"Output({name!r}, inputs={inputs!r}): give a list of column names")
+        self.predict = predict
+        self.inputs = list(inputs) if inputs is not None else None
 
     def bind(self, path: str | os.PathLike) -> "Output":
         """A copy bound to the directory ``path`` (created)."""
         Path(path).mkdir(parents=True, exist_ok=True)
-        return Output(self.name, path=path)
+        return Output(self.name, path=path, predict=self.predict, inputs=self.inputs)
 
     @property
     def path(self) -> Path:
@@ -99,18 +114,30 @@ class Model:
     """An existing model version to start from (fine-tuning): ``Model("crm.churn", version=SHA)``.
 
     ``version`` is a commit SHA of the model repository, or None for the newest version of the model's
-    branch. In the function the binding is a directory with that version's files (``.path``, ``.file(name)``),
-    exported without touching any working tree; the resolved version enters the run key and the lineage.
+    branch; ``alias="champion"`` takes the version an alias points to now (see :mod:`gwenlake_hpc.registry`;
+    the version it resolved to is logged). In the function the binding is a directory with that version's files
+    (``.path``, ``.file(name)``), exported without touching any working tree; the resolved version enters the
+    run key and the lineage.
+
+    Raises:
+        ConfigError: both ``version`` and ``alias`` given, or a malformed alias.
     """
 
-    def __init__(self, name: str, version: str | None = None):
+    def __init__(self, name: str, version: str | None = None, *, alias: str | None = None):
         self.name = check_name(name, "Model")
+        if version is not None and alias is not None:
+            raise ConfigError(f"Model({name!r}): give version= or alias=, not both")
+        if alias is not None and (not isinstance(alias, str) or not re.match(r"^[A-Za-z][A-Za-z0-9_-]{0,62}$", alias)):
+            raise ConfigError(f"Model({name!r}, alias={alias!r}): an alias is a name such as 'champion' "
+                              "(letters, digits, '_' and '-', starting with a letter)")
         self.version = version
+        self.alias = alias
         self._path: Path | None = None
 
     def bind(self, path: str | os.PathLike, version: str) -> "Model":
         """A copy bound to the exported directory ``path`` of ``version``."""
         m = Model(self.name, version)
+        m.alias = self.alias
         m._path = Path(path)
         return m
 
@@ -126,6 +153,8 @@ class Model:
         return self.path / name
 
     def __repr__(self) -> str:
+        if self.alias is not None and self._path is None:
+            return f"Model({self.name!r}, alias={self.alias!r})"
         return f"Model({self.name!r}, version={self.version!r})"
 
 

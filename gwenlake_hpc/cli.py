@@ -60,15 +60,9 @@ def _subcommand_parser() -> argparse.ArgumentParser:
     sync.add_argument("--uri", help="tracking URI to deliver to (default: the one the job used)")
     sync.add_argument("--timeout", type=float, default=60.0, help="seconds to keep trying (default 60)")
 
-    models = sub.add_parser("models", help="model versions").add_subparsers(dest="action", required=True)
-    ls = models.add_parser("list", help="versions of a model, newest first")
-    ls.add_argument("name", help="model name group.name")
-    ls.add_argument("--repo", help="model repository (paths.model_repo)")
-    cm = models.add_parser("commit", help="commit a directory as a new version of a model (work done by hand)")
-    cm.add_argument("directory")
-    cm.add_argument("name", help="model name group.name")
-    cm.add_argument("--repo", help="model repository (paths.model_repo)")
-    cm.add_argument("-m", "--message", default=None)
+    from .registry import add_models_parser
+
+    add_models_parser(sub)  # list, show, commit, promote, rollback, push, register
     rp = sub.add_parser("report", help="PNG of a run's metric curves with each restart marked")
     rp.add_argument("run_dir", help="the run directory (<runs_root>/<model>/<run key>)")
     rp.add_argument("--out", help="PNG path (default <run_dir>/report.png)")
@@ -78,6 +72,7 @@ def _subcommand_parser() -> argparse.ArgumentParser:
     st.add_argument("--all", action="store_true", help="also jobs that ended more than a day ago")
     cn = sub.add_parser("cancel", help="scancel a job (its checkpoints are kept; a later identical job resumes)")
     cn.add_argument("job_id")
+    cn.add_argument("--runs-root", default="runs", help="paths.runs_root whose job index names the job's cluster")
     lg = sub.add_parser("logs", help="print a job's log")
     lg.add_argument("job_id")
     lg.add_argument("--runs-root", default="runs")
@@ -122,7 +117,7 @@ def run_subcommand(argv: Sequence[str]) -> int:
             if args.command == "status":
                 return slurm_status.print_status(Path(args.runs_root), include_old=args.all)
             if args.command == "cancel":
-                return slurm_status.cancel(args.job_id)
+                return slurm_status.cancel(args.job_id, Path(args.runs_root))
             return slurm_status.print_logs(Path(args.runs_root), args.job_id, follow=args.follow,
                                            stderr=args.stderr)
         if args.command == "tracking":
@@ -135,21 +130,9 @@ def run_subcommand(argv: Sequence[str]) -> int:
                   f"status {res['status'] or 'unchanged'}")
             return 0 if res["remaining"] == 0 else 1
         if args.command == "models":
-            from .versioning import commit_model, default_model_repo, list_versions, open_model_repo
+            from .registry import models_command
 
-            repo = open_model_repo(Path(args.repo) if args.repo else default_model_repo(Path.cwd()),
-                                   create=args.action == "commit")
-            if args.action == "list":
-                versions = list_versions(repo, args.name)
-                if not versions:
-                    print(f"no versions of {args.name} in {repo.working_dir}")
-                for v in versions:
-                    print(f"{v['version']}  {v['date']}  {v['message'].splitlines()[0] if v['message'] else ''}")
-                return 0
-            sha = commit_model(repo, args.name, Path(args.directory),
-                               message=args.message or f"{args.name}: committed by hand from {args.directory}")
-            print(f"model {args.name} version {sha}")
-            return 0
+            return models_command(args)
     except GwenlakeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -177,7 +160,11 @@ def run_hydra(argv: Sequence[str]) -> int:
 
         state["started"] = True
         _setup_logging()
-        if cfg.launcher.get("name") == "slurm":
+        if cfg.get("cluster") is not None:  # cluster=NAME: submit over SSH (launch/remote.py)
+            from .launch.remote import cli_submit
+
+            state["code"] = cli_submit(cfg)
+        elif cfg.launcher.get("name") == "slurm":
             state["code"] = _submit_slurm(cfg)
         else:
             state["code"] = execute(cfg).exit_code

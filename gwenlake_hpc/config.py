@@ -148,6 +148,46 @@ class GwenlakeConfig:
     paths: PathsConfig = field(default_factory=PathsConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     launcher: Any = MISSING
+    cluster: Any = None  # a ClusterConfig when cluster=NAME selects conf/cluster/NAME.yaml
+
+
+@dataclass
+class ClusterConfig:
+    """A remote SLURM cluster reached over SSH (``cluster=NAME``, ``conf/cluster/NAME.yaml``).
+
+    No password field on purpose: authentication is by key (``key_file``) or by the SSH agent.
+
+    Attributes:
+        host: the login node's host name or address.
+        port: its SSH port.
+        user: the remote user name; default: the local user name.
+        key_file: private key file (unencrypted, or load it into ssh-agent instead); None: the SSH agent's keys.
+        known_hosts: OpenSSH known_hosts file the host key must be listed in (unknown keys are rejected).
+        proxy_jump: optional jump host ``[user@]host[:port]`` (like ``ssh -J``), same key and known_hosts.
+        remote_dir: the project's git checkout on the cluster's shared filesystem; each submitted commit gets
+            its own worktree under ``<remote_dir>/.gwenlake/worktrees/``. Relative ``paths.*`` resolve here.
+        python: the Python on the cluster (after ``setup``) that has gwenlake_hpc installed.
+        setup: shell lines run before it, on the login node and in the job (module load, activation).
+        launcher: sbatch settings for this cluster (the keys and defaults of ``launcher=slurm``: partition,
+            timeout_min, signal_delay_s, max_retries, env, secrets, wait, dry_run...);
+            ``cluster.launcher.KEY=VALUE`` on the command line changes one.
+        allow_dirty: submit a working tree with uncommitted changes to tracked files: the diff is applied on
+            the cluster on top of the commit and recorded in the run's lineage.
+        connect_timeout_s: seconds to wait for the TCP connection, the SSH banner and the authentication.
+    """
+
+    host: str = MISSING
+    port: int = 22
+    user: Optional[str] = None
+    key_file: Optional[str] = None
+    known_hosts: str = "~/.ssh/known_hosts"
+    proxy_jump: Optional[str] = None
+    remote_dir: str = MISSING
+    python: str = "python3"
+    setup: List[str] = field(default_factory=list)
+    launcher: SlurmLauncherConfig = field(default_factory=SlurmLauncherConfig)
+    allow_dirty: bool = False
+    connect_timeout_s: float = 20.0
 
 
 def register() -> None:
@@ -157,6 +197,8 @@ def register() -> None:
     # conf/launcher/<name>.yaml files extend these (defaults: [slurm_schema, _self_]).
     cs.store(group="launcher", name="local_schema", node=LauncherConfig)
     cs.store(group="launcher", name="slurm_schema", node=SlurmLauncherConfig)
+    # conf/cluster/<name>.yaml files extend this one (defaults: [cluster_schema, _self_]).
+    cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
 
 
 def conf_dir() -> Path:

@@ -32,9 +32,13 @@ from .data import Catalog
 from .errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError
 from .fsutil import read_json, write_json_atomic
 from .checkpoint import CheckpointStore
+from .distributed import Dist
+from .distributed import setup as setup_distributed
+from .distributed import teardown as teardown_distributed
 from .run import Run, seed_everything
 from .signals import StopRequest
 from .tracking import NullTracker, Tracker, default_uri, flatten, is_sqlite, state_dir_for, validate_uri
+from .registry import after_commit, serving_info
 from .versioning import code_state, commit_model, default_model_repo, export_version, list_versions, open_model_repo
 
 log = logging.getLogger("gwenlake_hpc.job")
@@ -281,6 +285,12 @@ def _check_settings(cfg: Any, steps: Any, epochs: Any, eval_every: Any) -> None:
 
 def _resolve_version(repo_path: Path | None, b: Model) -> str:
     repo = open_model_repo(repo_path or default_model_repo(Path.cwd()), create=False)
+    if b.alias is not None:
+        from .registry import resolve_alias
+
+        sha = resolve_alias(b.name, b.alias, repo)  # logs the version it resolved
+        log.info("Model(%r, alias=%r) resolved to version %s", b.name, b.alias, sha)
+        return sha
     if b.version is None:
         versions = list_versions(repo, b.name)
         if not versions:
@@ -294,23 +304,37 @@ def _resolve_version(repo_path: Path | None, b: Model) -> str:
 
 
 def _execute(cfg: Any, stop: StopRequest) -> JobResult:
+    d = setup_distributed()  # a single process unless SLURM (or torchrun) started several tasks
+    try:
+        return _execute_rank(cfg, stop, d)
+    finally:
+        teardown_distributed(d)
+
+
+def _execute_rank(cfg: Any, stop: StopRequest, d: Dist) -> JobResult:
+    if not d.is_main:
+        d.barrier()  # rank 0 plans first: a prepare hook materialises the data once, not once a rank
     p = plan(cfg)
     run_dir = p.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, Any] = dict(p.inputs)
     for name, b in p.tf.bindings.items():
         if isinstance(b, Output):
-            kwargs[name] = b.bind(run_dir / "output")
+            # Rank 0's output is committed; the others' (identical model) go to a scratch folder.
+            out = run_dir / "output" if d.is_main else run_dir / ".ranks" / f"rank-{d.rank:05d}" / "output"
+            kwargs[name] = b.bind(out)
         elif isinstance(b, Model):
             version = p.model_versions[name].rsplit("@", 1)[1]
             dest = run_dir / "init_models" / name / version
-            if not dest.exists():
+            if d.is_main and not dest.exists():
                 export_version(p.model_repo(create=False), b.name, version, dest)
             kwargs[name] = b.bind(dest, version)
-
+    if not d.is_main:
+        return _execute_locked(p, kwargs, stop, d)  # rank 0 holds the run's lock for all ranks
+    d.barrier()
     lock = RunLock(run_dir)  # one process per run directory: a second one would fork the history
     try:
-        return _execute_locked(p, kwargs, stop)
+        return _execute_locked(p, kwargs, stop, d)
     finally:
         lock.release()
 
@@ -359,7 +383,7 @@ class RunLock:
         self._fh.close()  # closing drops the flock
 
 
-def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest) -> JobResult:
+def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Dist) -> JobResult:
     cfg, tf, run_dir, key, model_name = p.cfg, p.tf, p.run_dir, p.key, p.model_name
     steps, epochs, eval_every, seed, run_name = p.steps, p.epochs, p.eval_every, p.seed, p.run_name
     params, datasets, dataset_facts, model_versions = p.params, p.datasets, p.dataset_facts, p.model_versions
@@ -373,7 +397,8 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest) -> Jo
     for done in reversed(info.get("completions") or ([info["completed"]] if info.get("completed") else [])):
         if done.get("steps") == steps and done.get("epochs") == epochs and done.get("version"):
             log.info("run %s already finished at step %s; nothing to train", run_dir, done.get("final_step"))
-            print(f"model {model_name} version {done['version']}", flush=True)
+            if d.is_main:
+                print(f"model {model_name} version {done['version']}", flush=True)
             return JobResult(0, done["version"], run_dir, done.get("final_step"))
     existing = CheckpointStore(run_dir / "checkpoints", key).complete() if (run_dir / "checkpoints").is_dir() else []
     if p.resume == "never" and existing:
@@ -384,19 +409,24 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest) -> Jo
                           f"use job.steps>={existing[-1].step}, or a new run name (job.model=...)")
 
     start = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), **slurm_facts()}
+    if d.enabled:
+        start["world_size"] = d.world_size
     info["starts"].append(start)
-    write_json_atomic(info_path, info)
-    log.info("run directory: %s", run_dir)
+    if d.is_main:
+        write_json_atomic(info_path, info)
+    log.info("run directory: %s (rank %d of %d)", run_dir, d.rank, d.world_size)
 
     code = code_state(Path(sys.modules[tf.fn.__module__].__file__ or ".").resolve().parent
                       if getattr(sys.modules.get(tf.fn.__module__), "__file__", None) else Path.cwd())
-    if tracking_on:
+    if tracking_on and d.is_main:  # rank 0 alone reports
         tags = {"gwenlake.run_key": key, "gwenlake.target": tf.target, "gwenlake.host": socket.gethostname(),
                 "gwenlake.restarts": str(len(info["starts"]) - 1)}
         tags.update({f"gwenlake.dataset.{n}": v for n, v in datasets.items()})
         tags.update({f"gwenlake.init_model.{n}": v for n, v in model_versions.items()})
         if code.commit:
             tags.update({"gwenlake.code_commit": code.commit, "gwenlake.code_dirty": str(code.dirty).lower()})
+        if os.environ.get("GWENLAKE_CODE_PATCH_SHA256"):
+            tags["gwenlake.code_patch_sha256"] = os.environ["GWENLAKE_CODE_PATCH_SHA256"]
         tags.update({f"slurm.{k[6:].lower()}": v for k, v in slurm_facts().items()})
         artifact_location = (runs_root / "mlartifacts" / model_name).as_uri() if is_sqlite(tracking_uri) else None
         tracker: Any = Tracker(tracking_uri, model_name, key, state_dir_for(run_dir, tracking_uri),
@@ -407,12 +437,14 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest) -> Jo
     else:
         tracker = NullTracker()
 
-    seed_everything(seed)
+    # Rank r draws from seed + r: dropout and augmentation differ across ranks (DDP copies rank 0's initial
+    # parameters to all); the data order comes from the run seed alone, so the shards fit together.
+    seed_everything(seed + d.rank)
     launcher = cfg.get("launcher") or {}
     try:
         run = Run(run_dir=run_dir, run_key=key, steps=steps, epochs=epochs, eval_every=eval_every, seed=seed,
                   tracker=tracker, stop=stop, resume=p.resume, progress=launcher.get("progress", "auto"),
-                  progress_every_s=float(launcher.get("progress_every_s", 30.0)))
+                  progress_every_s=float(launcher.get("progress_every_s", 30.0)), dist=d)
     except BaseException:
         tracker.close()
         raise
@@ -447,6 +479,8 @@ def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any
     tf, run_dir, key, model_name = p.tf, p.run_dir, p.key, p.model_name
     steps, epochs, eval_every, seed, run_name = p.steps, p.epochs, p.eval_every, p.seed, p.run_name
     params, dataset_facts, model_versions = p.params, p.dataset_facts, p.model_versions
+    if not run.is_main:  # rank 0 commits; the others only report how the loop ended
+        return JobResult(EXIT_EVICTED if run.evicted else 0, None, run_dir, run.step)
     if run.evicted:
         ck = run.latest_checkpoint
         log.warning("evicted at step %d (%s); newest checkpoint: %s; run the same job again to resume",
@@ -466,12 +500,17 @@ def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any
     lineage = {
         "model": model_name, "run_name": run_name, "run_key": key, "target": tf.target,
         "datasets": dataset_facts, "init_models": model_versions,
-        "code": {"commit": code.commit, "dirty": code.dirty, "repo": str(code.repo_root) if code.repo_root else None},
+        "code": {"commit": code.commit, "dirty": code.dirty, "repo": str(code.repo_root) if code.repo_root else None,
+                 **_code_patch()},
         "config": {"params": params, "seed": seed, "steps": steps, "epochs": epochs, "eval_every": eval_every},
         "tracking": {"run_id": tracker.run_id, "experiment": model_name} if tracking_on else None,
         "final_step": run.step,
         "starts": info["starts"],
         "packages": _package_versions(),
+        # SLURM job ids of every start (a requeue keeps the id; a resubmission gets a new one)
+        "slurm_jobs": sorted({s["SLURM_JOB_ID"] for s in info["starts"] if s.get("SLURM_JOB_ID")}),
+        "job_config": OmegaConf.to_container(p.cfg.job, resolve=True) if isinstance(p.cfg, DictConfig) else None,
+        "serving": serving_info(tf, p.inputs),  # predict entry point and input schema, for load_model
     }
     out_dir = run_dir / "output"
     try:
@@ -490,6 +529,9 @@ def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any
                   "`python -m gwenlake_hpc models commit %s %s`", exc, out_dir, out_dir, model_name)
         tracker.finish("FAILED", timeout_s=finish_timeout)
         return JobResult(EXIT_FAILED, None, run_dir, run.step)
+    # Registry, alias 'candidate', push: each failure only logs a warning (after_commit never raises).
+    after_commit(repo=repo, model_name=model_name, version=version, out_dir=out_dir, lineage=lineage,
+                 tracking_uri=p.tracking_uri if tracking_on else None, run_id=tracker.run_id if tracking_on else None)
 
     tracker.set_tags({"gwenlake.version": version})
     info["completed"] = {"steps": steps, "epochs": epochs, "final_step": run.step, "version": version,
@@ -499,6 +541,23 @@ def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any
     tracker.finish("FINISHED", timeout_s=min(finish_timeout, 5.0) if stop.requested else finish_timeout)
     print(f"model {model_name} version {version}", flush=True)
     return JobResult(0, version, run_dir, run.step)
+
+
+def _code_patch() -> dict[str, Any]:
+    """The uncommitted diff a remote submission applied on top of the commit (``cluster.allow_dirty``), if any.
+
+    From ``GWENLAKE_CODE_PATCH`` (the diff file on the cluster) and ``GWENLAKE_CODE_PATCH_SHA256``, set by the
+    job script that :mod:`gwenlake_hpc.launch.remote` renders; the diff text itself goes into the lineage.
+    """
+    path = os.environ.get("GWENLAKE_CODE_PATCH")
+    if not path:
+        return {}
+    try:
+        diff = Path(path).read_text(errors="replace")
+    except OSError as exc:
+        log.warning("the code patch %s named by GWENLAKE_CODE_PATCH cannot be read (%s)", path, exc)
+        diff = None
+    return {"patch": {"path": path, "sha256": os.environ.get("GWENLAKE_CODE_PATCH_SHA256"), "diff": diff}}
 
 
 def _package_versions() -> dict[str, str]:

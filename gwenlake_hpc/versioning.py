@@ -13,11 +13,13 @@ compare-and-swap, so many jobs can commit versions of the same model at once.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
 import shutil
 import stat
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -27,6 +29,8 @@ from typing import Mapping, Union
 import git
 
 from .errors import ConfigError, GwenlakeError
+
+log = logging.getLogger("gwenlake_hpc.versioning")
 
 __all__ = [
     "CodeState",
@@ -39,6 +43,9 @@ __all__ = [
     "list_versions",
     "read_file",
     "export_version",
+    "push_versions",
+    "is_lfs_pointer",
+    "LARGE_FILE_WARNING_BYTES",
     "FALLBACK_NAME",
     "FALLBACK_EMAIL",
     "MODEL_TRAILER",
@@ -56,6 +63,12 @@ MODEL_TRAILER = "Gwenlake-Model"
 #: Trailer that records the code commit a version was trained from, even when that commit is
 #: not in the model repository (separate model repository).
 CODE_TRAILER = "Gwenlake-Code-Commit"
+
+#: Size from which a weight file committed without git-lfs gets a warning (bytes); the
+#: environment variable GWENLAKE_LFS_WARN_MB overrides it, commit_model's argument wins over both.
+LARGE_FILE_WARNING_BYTES = 50 * 1024 * 1024
+_LFS_SPEC = b"version https://git-lfs.github.com/spec/v1\n"
+_LFS_POINTER_MAX = 1024  # git-lfs pointers are ~130 bytes; the spec caps them at 1024
 
 _BRANCH_PREFIX = "models/"
 _NAME_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*\Z")
@@ -414,6 +427,81 @@ def _read_blobs(cwd: PathLike, env: Mapping[str, str], specs: list[str]) -> list
     return result
 
 
+_LFS_FILTER = (
+    ("filter.lfs.clean", "git-lfs clean -- %f"),
+    ("filter.lfs.smudge", "git-lfs smudge -- %f"),
+    ("filter.lfs.process", "git-lfs filter-process"),
+    ("filter.lfs.required", "true"),
+)
+
+
+def lfs_config_env(cwd: PathLike, env: Mapping[str, str]) -> dict[str, str]:
+    """GIT_CONFIG_* entries naming the git-lfs filter when git has none configured.
+
+    ``git lfs install`` writes these settings into a git config file; a compute node or CI
+    image may have git-lfs without them. Configured values (any level) are kept. One git
+    process. Returns {} when all are configured.
+    """
+    _, out, _ = _git(cwd, env, "config", "-z", "--get-regexp", r"^filter\.lfs\.", ok=(0, 1))
+    configured = {item.partition(b"\n")[0].decode().lower() for item in out.split(b"\0") if item}
+    missing = [(k, v) for k, v in _LFS_FILTER if k not in configured]
+    if not missing:
+        return {}
+    base = int(env.get("GIT_CONFIG_COUNT", os.environ.get("GIT_CONFIG_COUNT", "0")) or 0)
+    extra = {}
+    for i, (key, value) in enumerate(missing):
+        extra[f"GIT_CONFIG_KEY_{base + i}"] = key
+        extra[f"GIT_CONFIG_VALUE_{base + i}"] = value
+    extra["GIT_CONFIG_COUNT"] = str(base + len(missing))
+    return extra
+
+
+def is_lfs_pointer(data: bytes) -> bool:
+    """True when ``data`` is a git-lfs pointer (spec v1: under 1 KB, ``version``, ``oid sha256:``,
+    ``size`` lines) rather than real content."""
+    return (len(data) < _LFS_POINTER_MAX and data.startswith(_LFS_SPEC)
+            and b"\noid sha256:" in data and b"\nsize " in data)
+
+
+def _smudge_pointers(cwd: PathLike, env: Mapping[str, str], out_dir: Path) -> int:
+    """Replace each git-lfs pointer file under ``out_dir`` by its content; return how many.
+
+    A version's tree may lack the .gitattributes that sent a file through git-lfs (a model
+    repository whose attributes are only in its work tree), and then checkout-index writes the
+    pointer. ``git lfs smudge`` reads the object from ``.git/lfs/objects`` or downloads it from
+    the repository's LFS remote; it streams to the file, never through memory. One process per
+    pointer (weight files, a handful per version).
+
+    Raises:
+        GwenlakeError: a pointer but no git-lfs installed, or git-lfs could not get the object
+            (it is neither local nor on the remote).
+    """
+    count = 0
+    for dirpath, _, filenames in os.walk(out_dir):
+        for name in filenames:
+            path = Path(dirpath) / name
+            if path.is_symlink() or path.stat().st_size >= _LFS_POINTER_MAX:
+                continue
+            pointer = path.read_bytes()
+            if not is_lfs_pointer(pointer):
+                continue
+            if shutil.which("git-lfs") is None:
+                raise GwenlakeError(f"{path.name} is stored with git-lfs but git-lfs is not installed;"
+                                    " install it (Debian: apt-get install git-lfs) to read this version")
+            tmp = path.with_name(f".{name}.smudge")
+            with open(tmp, "wb") as fh:
+                proc = subprocess.run(["git", "lfs", "smudge", "--", name], input=pointer, stdout=fh,
+                                      stderr=subprocess.PIPE, cwd=cwd, env={**os.environ, **env},
+                                      timeout=3600)
+            if proc.returncode != 0:
+                tmp.unlink(missing_ok=True)
+                raise GwenlakeError(f"git lfs smudge of {path.name} failed (exit {proc.returncode}):"
+                                    f" {proc.stderr.decode(errors='replace').strip()[-500:]}")
+            os.replace(tmp, path)
+            count += 1
+    return count
+
+
 class _Builder:
     """Builds the tree and commit of one commit_model call inside a private temp directory."""
 
@@ -431,6 +519,8 @@ class _Builder:
         self._blobs: dict[tuple, dict[str, str]] = {}
         self._attrs: dict[str, tuple] = {}
         self._trees: dict[tuple, str] = {}
+        self.warn_bytes: int | None = LARGE_FILE_WARNING_BYTES
+        self.lfs_paths: list[str] = []
 
     def run(self, command: str, *args: str, stdin: bytes | None = None,
             ok: tuple[int, ...] = (0,), env: Mapping[str, str] | None = None,
@@ -490,6 +580,7 @@ class _Builder:
                 os.symlink(os.path.abspath(entry.source), target)
             paths.append(f"{self.prefix}/{entry.rel}")
         env = dict(self.env, GIT_WORK_TREE=str(stage))
+        env.update(self._lfs_check(stage, env, paths))
         # cwd must be the work tree top: paths and .gitattributes are looked up from there.
         _, out, _ = self.run("hash_object", "-w", "--stdin-paths", cwd=stage, env=env,
                           stdin=b"".join(_cquote(p) + b"\n" for p in paths))
@@ -499,6 +590,42 @@ class _Builder:
         shutil.rmtree(stage, ignore_errors=True)
         self._blobs[attrs] = dict(zip(paths, shas))
         return self._blobs[attrs]
+
+    def _lfs_check(self, stage: Path, env: Mapping[str, str], paths: list[str]) -> dict[str, str]:
+        """Which files the attributes send through git-lfs; extra env for hash-object.
+
+        One ``git check-attr`` process. Files marked ``filter=lfs`` need git-lfs on PATH
+        (GwenlakeError otherwise, before any blob is written: a 5 GB blob in history cannot
+        be taken back); when git has no ``filter.lfs.*`` configured (no ``git lfs install``),
+        the filter is named through GIT_CONFIG_* for our processes only. Other files of
+        ``warn_bytes`` or more get a warning suggesting ``git lfs track``.
+        """
+        _, out, _ = self.run("check_attr", "-z", "--stdin", "filter", cwd=stage, env=env,
+                             stdin=b"".join(os.fsencode(p) + b"\0" for p in paths))
+        fields = out.split(b"\0")
+        filters = {os.fsdecode(fields[i]): fields[i + 2].decode()
+                   for i in range(0, len(fields) - 2, 3)}
+        lfs = [p for p in paths if filters.get(p) == "lfs"]
+        self.lfs_paths = lfs
+        limit = self.warn_bytes
+        for entry in self.files:
+            path = f"{self.prefix}/{entry.rel}"
+            if path in lfs:
+                continue
+            size = len(entry.data) if entry.data is not None else os.path.getsize(entry.source)
+            if limit is not None and size >= limit:
+                log.warning("%s is %.1f MB and the model repository does not store it with git-lfs: every"
+                            " version adds it whole to the history. Track such files with `git lfs track"
+                            " '*%s'` (a .gitattributes line `*%s filter=lfs diff=lfs merge=lfs -text`)",
+                            path, size / 1e6, Path(entry.rel).suffix, Path(entry.rel).suffix)
+        if not lfs:
+            return {}
+        if shutil.which("git-lfs") is None:
+            raise GwenlakeError(
+                f"the model repository's .gitattributes stores {lfs[0]} with git-lfs (filter=lfs), but"
+                " git-lfs is not installed: install it (Debian: apt-get install git-lfs) and commit"
+                " again; the model files were not changed")
+        return lfs_config_env(self.empty, self.env)
 
     def tree(self, base: str | None) -> str:
         """Tree of ``base`` with ``<group>/<name>/`` replaced by the model files (temp index)."""
@@ -527,7 +654,7 @@ class _Builder:
 
 def commit_model(repo: git.Repo | PathLike, model_name: str, src_dir: PathLike, *, message: str,
                  code_commit: str | None = None, extra_files: Mapping[str, bytes] | None = None,
-                 max_attempts: int = 50) -> str:
+                 max_attempts: int = 50, large_file_warning_bytes: int | None = None) -> str:
     """Commit the files of ``src_dir`` as a new version of ``model_name``; return its SHA.
 
     The version is a commit on branch ``models/<group>.<name>`` (see model_branch) built with
@@ -558,12 +685,20 @@ def commit_model(repo: git.Repo | PathLike, model_name: str, src_dir: PathLike, 
         code_commit: hex SHA of the code that trained the model (CodeState.commit), or None.
         extra_files: files added to the model directory, e.g. ``{"metrics.json": b"..."}``.
         max_attempts: compare-and-swap attempts before giving up (>= 1).
+        large_file_warning_bytes: a file of this size or more that the attributes do not send
+            through git-lfs gets a warning; default $GWENLAKE_LFS_WARN_MB megabytes, else
+            LARGE_FILE_WARNING_BYTES (50 MiB).
+
+    git-lfs: files the attributes mark ``filter=lfs`` are committed as pointer blobs (< 1 KB)
+    and their content goes to ``.git/lfs/objects`` (git-lfs's clean filter, run by
+    hash-object); push it with push_versions.
 
     Raises:
         ConfigError: bad model name, message or code_commit; src_dir missing, not a directory,
             or with no files (and no extra_files); a symlink or special file in src_dir; an
             unsafe path (absolute, '..', '.git') or a file/directory clash.
-        GwenlakeError: a git command failed, or the branch kept moving for max_attempts tries.
+        GwenlakeError: a git command failed, the branch kept moving for max_attempts tries,
+            or a file needs git-lfs and git-lfs is not installed.
     """
     group, name = _split_model_name(model_name)
     ref = f"refs/heads/{_BRANCH_PREFIX}{group}.{name}"
@@ -579,6 +714,14 @@ def commit_model(repo: git.Repo | PathLike, model_name: str, src_dir: PathLike, 
 
     with tempfile.TemporaryDirectory(prefix="gwenlake-commit-") as tmpdir:
         b = _Builder(repo, model_name, files, Path(tmpdir))
+        if large_file_warning_bytes is None and os.environ.get("GWENLAKE_LFS_WARN_MB"):
+            try:
+                large_file_warning_bytes = int(float(os.environ["GWENLAKE_LFS_WARN_MB"]) * 1024 * 1024)
+            except ValueError:
+                raise ConfigError(f"GWENLAKE_LFS_WARN_MB={os.environ['GWENLAKE_LFS_WARN_MB']!r} must be a"
+                                  " number of megabytes") from None
+        if large_file_warning_bytes is not None:
+            b.warn_bytes = large_file_warning_bytes
         env = dict(b.env, **_identity_env(b.empty, b.env))
         code_sha = _rev(b.empty, env, code_commit) if code_commit else None
         trailers = f"{MODEL_TRAILER}: {model_name}\n"
@@ -688,6 +831,7 @@ class _Reader:
             paths = [p for p in listed.split(b"\0") if p]
         self.run("checkout_index", "-z", "--stdin", "-f", f"--prefix={out_dir}/",
                  stdin=b"".join(p + b"\0" for p in paths))
+        _smudge_pointers(self.tmp, self.env, out_dir)
 
 
 def list_versions(repo: git.Repo | PathLike, model_name: str) -> list[dict]:
@@ -771,3 +915,63 @@ def export_version(repo: git.Repo | PathLike, model_name: str, version: str,
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return dest
+
+
+# --------------------------------------------------------------------------------------------
+# pushing versions
+
+
+#: Ref holding the alias log of a model (see gwenlake_hpc.registry); pushed with its branch.
+ALIAS_REF_PREFIX = "refs/gwenlake/aliases/"
+
+
+def _remote_url(remote: str) -> str:
+    """A remote name or URL as given; a local path becomes a ``file://`` URL (git-lfs needs one)."""
+    if not isinstance(remote, str) or not remote.strip():
+        raise ConfigError("remote must be a git remote name, a URL or the path of a bare repository")
+    remote = remote.strip()
+    if "://" in remote or re.match(r"^[\w.-]+@[\w.-]+:", remote):
+        return remote
+    path = Path(remote).expanduser()
+    if path.is_absolute() or remote.startswith(".") or os.sep in remote:
+        if not path.is_dir():
+            raise ConfigError(f"remote {remote}: no such directory; create the shared repository with"
+                              f" `git init --bare {remote}`")
+        return path.resolve().as_uri()
+    return remote  # a configured remote name such as 'origin'
+
+
+def push_versions(repo: git.Repo | PathLike, model_name: str, remote: str) -> list[str]:
+    """Push the versions of ``model_name`` (branch and alias log) to ``remote``, LFS objects first.
+
+    ``remote`` is a remote name of the model repository, a URL, or the path of a bare repository
+    (e.g. on the shared filesystem). ``git lfs push`` uploads the LFS objects every pushed
+    commit refers to (skipped when git-lfs is not installed and no version uses it), then
+    ``git push`` moves the remote refs without force: the branch only ever moves forward, so a
+    refusal means the remote holds versions this repository lacks (fetch them first).
+    Returns the refs pushed.
+
+    Raises:
+        ConfigError: bad model name, a remote path that does not exist, no versions to push.
+        GwenlakeError: git or git-lfs failed (message includes their error).
+    """
+    branch = "refs/heads/" + model_branch(model_name)
+    url = _remote_url(remote)
+    repo = _as_repo(repo)
+    with tempfile.TemporaryDirectory(prefix="gwenlake-push-") as tmpdir:
+        tmp = Path(tmpdir)
+        env = _base_env(_git_dir(repo), tmp, tmp / "index")
+        env["GIT_LFS_SKIP_PUSH"] = "0"
+        refs = [r for r in (branch, ALIAS_REF_PREFIX + model_name) if _rev_any(tmp, env, r)]
+        if branch not in refs:
+            raise ConfigError(f"model {model_name} has no versions to push (no branch {branch[11:]})")
+        if shutil.which("git-lfs") is not None:
+            env.update(lfs_config_env(tmp, env))
+            _git(tmp, env, "lfs", "push", url, *refs)
+        _git(tmp, env, "push", "--porcelain", url, *[f"{r}:{r}" for r in refs])
+    return refs
+
+
+def _rev_any(cwd: PathLike, env: Mapping[str, str], ref: str) -> str | None:
+    status, out, _ = _git(cwd, env, "rev_parse", "--verify", "--quiet", ref, ok=(0, 1, 128))
+    return (out.decode().strip() or None) if status == 0 else None

@@ -4,6 +4,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Debian packages of the real-service tests: git-lfs (model weights), openssh-server (submission over SSH).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  missing=()
+  command -v git-lfs >/dev/null || missing+=(git-lfs)
+  [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
+  command -v pgrep >/dev/null || missing+=(procps)
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "installing ${missing[*]}"
+    (apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1 ||
+      { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1; }) ||
+      echo "could not install ${missing[*]}: the tests that need them will be skipped"
+  fi
+fi
 # The local SLURM cluster (needs root and Debian's packages); without it the cluster tests are skipped.
 if ! sinfo >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then

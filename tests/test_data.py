@@ -18,7 +18,6 @@ from gwenlake_hpc.data import (
     content_revision,
     dataset_path,
     import_table,
-    write_dataset,
 )
 from gwenlake_hpc.errors import ConfigError, DataError
 

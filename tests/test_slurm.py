@@ -120,7 +120,10 @@ def test_preemption_requeued_by_slurm_once_and_resumes(project):
     assert high
     assert finish(job) == "COMPLETED"
     text = log_text(project, job)
-    assert "SIGTERM" in text and "resuming from step" in text
+    # The training itself stopped at a step boundary (srun did not SIGKILL it) and the teardown left the
+    # requeue to SLURM.
+    assert "stop requested (SIGTERM)" in text and "a preemption or a cancel, SLURM decides" in text
+    assert "resuming from step" in text
     assert job_fields(job).get("Restarts") == "1"  # SLURM's requeue, none of ours on top
     run = one_point_per_step(project, 300)
     assert run.info.status == "FINISHED"
@@ -133,6 +136,7 @@ def test_scancel_keeps_checkpoint_and_resubmission_resumes(project):
     wait_until(checkpoint_at_least(project, 30), what="a checkpoint at step 30")
     project.run("cancel", job, check=0)
     assert finish(job).startswith("CANCELLED")
+    assert "stop requested (SIGTERM)" in log_text(project, job)
     time.sleep(3)
     assert state_of(job).startswith("CANCELLED")  # not requeued
     assert list((run_dir(project) / "checkpoints").glob("step-*"))
@@ -345,4 +349,72 @@ def test_lost_node_requeues_and_resumes_from_newest_checkpoint(project):
     assert job_fields(job)["NodeList"] != node
     text = log_text(project, job)
     assert f"resuming from step {newest}" in text
+    one_point_per_step(project, 300)
+
+
+HANDLE_SCRIPT = r'''
+import json, sys
+from gwenlake_hpc import GwenlakeError
+from gwenlake_hpc.job import load_target
+
+fit = load_target("trainer.py:fit")
+out = {}
+ok = fit.submit("launcher.timeout_min=5", job="t")
+out["ok_job"] = ok.job_id
+st = ok.wait(timeout=300)
+out.update(ok_state=st.state, ok_run_id=ok.run_id, ok_checkpoint=str(ok.latest_checkpoint()))
+bad = fit.submit("launcher.timeout_min=5", "+launcher.env.GWL_TEST_BAD=raise", "job.seed=1", job="t")
+try:
+    bad.wait(timeout=300)
+    out["bad"] = "no error"
+except GwenlakeError as exc:
+    out["bad"] = str(exc)
+slow = fit.submit("launcher.timeout_min=5", "+launcher.env.GWL_TEST_SLEEP=0.5", "job.seed=2", job="t")
+try:
+    slow.wait(timeout=1)
+    out["slow"] = "no timeout"
+except TimeoutError as exc:
+    out["slow"] = "TimeoutError: " + str(exc)
+slow.cancel()
+try:
+    slow.wait(timeout=120)
+except GwenlakeError as exc:
+    out["cancelled"] = str(exc)
+print(json.dumps(out))
+'''
+
+
+def test_python_handle_submit_wait_status_cancel(project):
+    proc = subprocess.run([sys.executable, "-c", HANDLE_SCRIPT], cwd=project.root, capture_output=True, text=True,
+                          timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ok_state"] == "COMPLETED"
+    assert out["ok_checkpoint"].endswith("checkpoints/step-000000060")
+    client = MlflowClient(f"sqlite:///{project.root / 'runs' / 'mlflow.db'}")
+    assert client.get_run(out["ok_run_id"]).info.status == "FINISHED"
+    assert "FAILED" in out["bad"] and out["slow"].startswith("TimeoutError")
+    assert "CANCELLED" in out["cancelled"]
+
+
+def test_sbatch_template_by_hand_survives_preemption(project):
+    """sbatch/train.sbatch as a person submits it: overrides after the script, the same requeue and resume."""
+    import os
+    import shutil
+
+    from conftest import REPO
+
+    shutil.copy(REPO / "sbatch" / "train.sbatch", project.root / "train.sbatch")
+    env = {**os.environ, "GWENLAKE_PYTHON": sys.executable, "GWL_TEST_SLEEP": "0.05", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["sbatch", "--parsable", "--time=00:05:00", "--cpus-per-task=2", "-w", "n1",
+                           "train.sbatch", "+job=t", "job.steps=300", "launcher.progress_every_s=2"],
+                          cwd=project.root, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip().split(";")[0]
+    wait_until(checkpoint_at_least(project, 50), what="a checkpoint at step 50")
+    assert sh("sbatch", "--parsable", "-o", "/dev/null", "-p", "high", "-w", "n1", "-c", "2", "--wrap", "sleep 2")
+    assert finish(job) == "COMPLETED"
+    text = (project.root / f"slurm-gwenlake-train-{job}.out").read_text()
+    assert "stop requested (SIGTERM)" in text and "resuming from step" in text and "model t.model version" in text
+    assert job_fields(job).get("Restarts") == "1"
     one_point_per_step(project, 300)

@@ -119,8 +119,13 @@ def sbatch_parameters(lc: Any, job_name: str) -> dict[str, Any]:
 
 
 def setup_lines(lc: Any, secrets_file: Path | None) -> list[str]:
-    """Shell lines run before the step: the user's ``setup``, then quoted ``export``s, then secrets."""
-    lines = [str(s) for s in lc.get("setup") or []]
+    """Shell lines run before the step: SIGTERM ignored by the shell, the user's ``setup``, then quoted
+    ``export``s, then secrets."""
+    # The batch shell and srun ignore SIGTERM: on preemption or scancel SLURM signals every step, and srun
+    # answers SIGTERM by SIGKILLing its tasks at once, which would cut the training's last checkpoint short.
+    # The training itself (started by slurmstepd, not by this shell) still gets SIGTERM and stops cleanly.
+    lines = ["trap '' TERM"]
+    lines += [str(s) for s in lc.get("setup") or []]
     for name, value in (lc.get("env") or {}).items():
         if not _NAME_RE.match(str(name)):
             raise ConfigError(f"launcher.env.{name}: not a valid environment variable name")
@@ -132,7 +137,7 @@ def setup_lines(lc: Any, secrets_file: Path | None) -> list[str]:
     return lines
 
 
-def _check_secrets(lc: Any, environ: Mapping[str, str] = os.environ) -> list[str]:
+def check_secrets(lc: Any, environ: Mapping[str, str] = os.environ) -> list[str]:
     names = [str(n) for n in lc.get("secrets") or []]
     for name in names:
         if not _NAME_RE.match(name):
@@ -148,7 +153,7 @@ def write_secrets(lc: Any, folder: Path, environ: Mapping[str, str] = os.environ
     Raises:
         ConfigError: a name is not a valid variable name or is not set in the submitting environment.
     """
-    names = _check_secrets(lc, environ)
+    names = check_secrets(lc, environ)
     if not names:
         return None
     lines = [f"{name}={shlex.quote(environ[name])}\n" for name in names]
@@ -161,9 +166,12 @@ def write_secrets(lc: Any, folder: Path, environ: Mapping[str, str] = os.environ
     return path
 
 
-def teardown_lines(lc: Any) -> list[str]:
-    """After the step: requeue on a time limit or a killed step while retries remain (see requeue.py)."""
-    py = shlex.quote(sys.executable)
+def teardown_lines(lc: Any, python: str | None = None) -> list[str]:
+    """After the step: requeue on a time limit or a killed step while retries remain (see requeue.py).
+
+    ``python`` is the interpreter on the cluster (default: this one, for submissions from the login node).
+    """
+    py = shlex.quote(python or sys.executable)
     return ["rc=$?",
             f"{py} -m gwenlake_hpc.launch.requeue --rc \"$rc\" --max-retries {int(lc.max_retries)} "
             f"--signal-delay {int(lc.signal_delay_s)}",
@@ -222,7 +230,7 @@ def submit(cfg: DictConfig) -> Submission | None:
         log.warning("tracking.uri is SQLite (%s): SQLite on a shared filesystem is not safe for many concurrent "
                     "jobs; use an MLflow server (tracking.uri=http://host:5000)", p.tracking_uri)
     if lc.dry_run:
-        _check_secrets(lc)
+        check_secrets(lc)
         print(render_script(cfg, p.run_dir))
         return None
     folder = Path(lc.folder) if lc.get("folder") else p.run_dir / "slurm"

@@ -50,20 +50,27 @@ def _run(cmd: list[str]) -> str:
         return ""
 
 
-def slurm_state(job_id: str) -> tuple[str, int | None]:
-    """(state, restarts) of a job: ``scontrol show job`` while SLURM holds it, else ``sacct``."""
-    out = _run(["scontrol", "-o", "show", "job", job_id])
+def slurm_state(job_id: str, run=_run) -> tuple[str, int | None]:
+    """(state, restarts) of a job: ``scontrol show job`` while SLURM holds it, else ``sacct``.
+
+    ``run`` runs a command (argv) and returns its stdout: here by default, over SSH for a remote cluster."""
+    out = run(["scontrol", "-o", "show", "job", job_id])
     if out.strip():
         fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
         restarts = int(fields["Restarts"]) if fields.get("Restarts", "").isdigit() else None
         return fields.get("JobState", "UNKNOWN"), restarts
-    out = _run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State"])
+    out = run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State"])
     states = [line.strip() for line in out.splitlines() if line.strip()]
     return (states[-1].split()[0] if states else "UNKNOWN"), None
 
 
 def job_status(record: dict) -> JobStatus:
-    """Status of one submitted job record (see :func:`gwenlake_hpc.launch.slurm.job_records`)."""
+    """Status of one submitted job record (see :func:`gwenlake_hpc.launch.slurm.job_records`); a record with a
+    ``cluster`` is asked over SSH (:mod:`gwenlake_hpc.launch.remote`)."""
+    if record.get("cluster"):
+        from .remote import remote_job_status
+
+        return remote_job_status(record)
     state, restarts = slurm_state(record["job_id"])
     run_dir = Path(record["run_dir"])
     info = read_json(run_dir / "run.json", default={}) or {}
@@ -85,15 +92,27 @@ def print_status(runs_root: Path, include_old: bool = False) -> int:
         return 0
     print(f"{'JOB':>10}  {'STATE':<12} {'RESTARTS':>8} {'STEP':>8}  MLFLOW RUN                        RUN")
     for r in records:
-        s = job_status(r)
+        try:
+            s = job_status(r)
+        except GwenlakeError as exc:  # a remote cluster out of reach: say so, go on with the other jobs
+            print(f"{r['job_id']:>10}  {'UNREACHABLE':<12} {'':>8} {'':>8}  {'-':<32}  {r['model']}/"
+                  f"{Path(r['run_dir']).name}  on {r.get('cluster')}: {str(exc).splitlines()[0]}")
+            continue
         print(f"{s.job_id:>10}  {s.state:<12} {'' if s.restarts is None else s.restarts:>8} "
               f"{'' if s.step is None else s.step:>8}  {s.tracking_run_id or '-':<32}  "
-              f"{r['model']}/{Path(r['run_dir']).name}" + (f"  version {s.version[:12]}" if s.version else ""))
+              f"{r['model']}/{Path(r['run_dir']).name}" + (f"  version {s.version[:12]}" if s.version else "")
+              + (f"  on {r['cluster']}" if r.get("cluster") else ""))
     return 0
 
 
-def cancel(job_id: str) -> int:
-    """``scancel`` a job; its run directory and checkpoints are kept."""
+def cancel(job_id: str, runs_root: Path | None = None) -> int:
+    """``scancel`` a job; its run directory and checkpoints are kept. A job that ``runs_root``'s index records
+    as submitted to a remote cluster is cancelled there over SSH."""
+    remote = [r for r in job_records(runs_root) if r["job_id"] == job_id] if runs_root is not None else []
+    if remote and remote[-1].get("cluster"):
+        from .remote import cancel_remote
+
+        return cancel_remote(remote[-1])
     proc = subprocess.run(["scancel", job_id], capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"error: scancel {job_id}: {proc.stderr.strip()}", file=sys.stderr)
@@ -112,6 +131,10 @@ def _record(runs_root: Path, job_id: str) -> dict:
 def print_logs(runs_root: Path, job_id: str, follow: bool = False, stderr: bool = False) -> int:
     """The ``logs`` command: print the job's log; with ``follow``, until the job reaches a final state."""
     r = _record(runs_root, job_id)
+    if r.get("cluster"):
+        from .remote import print_remote_logs
+
+        return print_remote_logs(r, follow=follow, stderr=stderr)
     path = Path(r["stderr" if stderr else "stdout"].replace("%j", job_id))
     pos = 0
     while True:

@@ -1,0 +1,694 @@
+"""Submission to a remote SLURM cluster over SSH (``python -m gwenlake_hpc +job=NAME cluster=CLUSTER``).
+
+The trip, from the workstation:
+
+1. The working tree must be clean (tracked files equal HEAD) unless ``cluster.allow_dirty=true``; then the diff
+   (``git diff --binary HEAD``) goes along and is applied on the cluster on top of the commit.
+2. The commit reaches ``cluster.remote_dir`` (a git checkout on the shared filesystem) as a git bundle uploaded
+   with SFTP (only the objects the cluster lacks), under ``refs/gwenlake/commits/<sha>`` so git's garbage
+   collection keeps it; then a worktree of its own, ``<remote_dir>/.gwenlake/worktrees/<sha>[-<diff hash>]``,
+   created under a temporary name and moved into place whole. A later submission never touches it, so pending
+   and requeued jobs keep the exact code they were submitted with.
+3. The job is planned on the login node in that worktree (``python -m gwenlake_hpc.launch.remote plan``): the
+   config composes and validates there, datasets are materialised, and the run directory is known.
+4. The sbatch script is rendered here (same shape as ``launcher=slurm``: ``--requeue``, ``--signal=USR2@N``,
+   ``srun python -m gwenlake_hpc launcher.progress=lines <overrides>``, then the requeue teardown), every value
+   shell-quoted, uploaded under a temporary name and renamed, and submitted with ``sbatch --parsable``.
+5. The job id goes into the local ``<runs_root>/.gwenlake-jobs.jsonl`` with the cluster's connection settings,
+   so ``status``, ``logs JOB [-f]`` and ``cancel JOB`` reach it through SSH.
+
+Secrets (``launcher.secrets``) are written on the cluster into a 0600 file over SFTP and sourced by the job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import posixpath
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..errors import EXIT_USAGE, ConfigError, GwenlakeError
+from .slurm import JOBS_INDEX, check_secrets, sbatch_parameters, setup_lines, teardown_lines
+from .ssh import RemoteCommandError, SshConnection, SshTarget, connection
+
+log = logging.getLogger("gwenlake_hpc.launch.remote")
+
+PLAN_MARK = "GWENLAKE_PLAN "
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+#: Overrides consumed here, never forwarded to the job: the cluster, the launcher (sbatch settings), Hydra's.
+_LOCAL_KEYS = ("cluster", "launcher", "hydra", "paths")
+
+
+@dataclass
+class RemoteSubmission:
+    """What a ``cluster=NAME`` submission did.
+
+    Attributes:
+        job_id: SLURM job id on the cluster.
+        cluster: the cluster's name.
+        commit: the commit the job runs (the workstation's HEAD).
+        worktree: the job's checkout on the cluster.
+        run_dir: the run directory on the cluster.
+        stdout, stderr: the job's log files on the cluster (job id filled in).
+        script: the uploaded sbatch script on the cluster.
+        patch_sha256: sha256 of the uncommitted diff sent along (``allow_dirty``), else None.
+    """
+
+    job_id: str
+    cluster: str
+    commit: str
+    worktree: str
+    run_dir: str
+    stdout: str
+    stderr: str
+    script: str
+    patch_sha256: str | None = None
+
+
+# --- the workstation's code --------------------------------------------------------------------------------------
+
+def _git(cwd: Path, *args: str, binary: bool = False) -> Any:
+    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, timeout=120)
+    if proc.returncode != 0:
+        raise GwenlakeError(f"git {' '.join(args)} in {cwd} failed: {proc.stderr.decode(errors='replace').strip()}")
+    return proc.stdout if binary else proc.stdout.decode().strip()
+
+
+@dataclass
+class LocalCode:
+    """The workstation's code: repository root, HEAD commit, and the diff of tracked files (b"" if clean)."""
+
+    root: Path
+    commit: str
+    patch: bytes
+    untracked: list[str]
+
+
+def local_code(cwd: Path, allow_dirty: bool) -> LocalCode:
+    """Read the git state around ``cwd``.
+
+    Raises:
+        ConfigError: not in a git repository, no commit yet, or uncommitted changes to tracked files without
+            ``cluster.allow_dirty=true`` (the files are named).
+    """
+    try:
+        root = Path(_git(cwd, "rev-parse", "--show-toplevel"))
+        commit = _git(root, "rev-parse", "--verify", "HEAD^{commit}")
+    except GwenlakeError as exc:
+        raise ConfigError(f"cluster=...: the code must be in a git repository with at least one commit (the job runs "
+                          f"exactly a commit): {exc}") from exc
+    status = _git(root, "status", "--porcelain", "--untracked-files=no")
+    patch = b""
+    if status:
+        changed = [p for p in _git(root, "diff", "--name-only", "HEAD").splitlines() if p]
+        if not allow_dirty:
+            raise ConfigError(
+                f"the working tree {root} has uncommitted changes to {len(changed)} tracked file(s) "
+                f"({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}): commit them, so the job runs "
+                f"exactly a commit, or set cluster.allow_dirty=true to send the diff along (applied on the cluster "
+                f"on top of {commit[:12]} and recorded in the run's lineage)")
+        patch = _git(root, "diff", "--binary", "HEAD", binary=True)
+    untracked = [p for p in _git(root, "ls-files", "--others", "--exclude-standard").splitlines() if p]
+    return LocalCode(root, commit, patch, untracked)
+
+
+# --- configuration ----------------------------------------------------------------------------------------------
+
+def _override_key(ov: str) -> str:
+    key = ov.split("=", 1)[0].lstrip("+~")
+    return key
+
+
+def job_overrides(task_overrides: Sequence[str]) -> list[str]:
+    """The command-line overrides the job itself receives: all but ``cluster``, ``launcher``, ``hydra`` and
+    ``paths`` ones (those are resolved here).
+
+    Raises:
+        ConfigError: an override with control characters (newlines).
+    """
+    out = []
+    for ov in task_overrides:
+        if _CONTROL_RE.search(ov):
+            raise ConfigError(f"override {ov!r}: control characters (newlines) are not allowed")
+        key = _override_key(ov)
+        if key.split(".", 1)[0].split("/", 1)[0] in _LOCAL_KEYS:
+            continue
+        out.append(ov)
+    return out
+
+
+def effective_launcher(cfg: DictConfig, task_overrides: Sequence[str]) -> DictConfig:
+    """The sbatch settings: ``cluster.launcher`` (validated by Hydra against ``launcher=slurm``'s schema), then
+    any ``launcher.KEY=`` override of the command line when ``launcher=slurm`` is given too."""
+    from ..config import SlurmLauncherConfig
+
+    lc = OmegaConf.merge(OmegaConf.structured(SlurmLauncherConfig), cfg.cluster.launcher)
+    if cfg.launcher.get("name") == "slurm":
+        for ov in task_overrides:
+            key = _override_key(ov)
+            if key.startswith("launcher."):
+                sub = key[len("launcher."):]
+                OmegaConf.update(lc, sub, OmegaConf.select(cfg, key), merge=False)
+    return lc
+
+
+def _remote_path(remote_dir: str, value: str) -> str:
+    return value if value.startswith("/") else posixpath.normpath(posixpath.join(remote_dir, value))
+
+
+# --- the cluster side ---------------------------------------------------------------------------------------------
+
+def _setup(cc: Any) -> str:
+    return "".join(f"{line}\n" for line in (cc.get("setup") or []))
+
+
+def _check_remote(conn: SshConnection, cc: Any, commit: str) -> tuple[str, bool, list[str]]:
+    """Check the cluster side in one round trip; returns (absolute remote_dir, has the commit, its ref shas).
+
+    Raises:
+        ConfigError: remote_dir missing or not a git checkout, no git, no sbatch, no python with gwenlake_hpc.
+    """
+    rd = str(cc.remote_dir)
+    if rd.startswith("~/"):
+        rd = rd[2:]  # commands start in the home directory
+    py = str(cc.python)
+    script = (f"cd {shlex.quote(rd)} 2>/dev/null || {{ echo 'gwenlake-check: nodir'; exit 3; }}\n"
+              "command -v git >/dev/null || { echo 'gwenlake-check: nogit'; exit 3; }\n"
+              "git rev-parse --show-toplevel >/dev/null 2>&1 || { echo 'gwenlake-check: notgit'; exit 3; }\n"
+              "test \"$(git rev-parse --show-toplevel)\" = \"$(pwd -P)\" || { echo 'gwenlake-check: notroot'; exit 3; }\n"
+              + _setup(cc) +
+              "command -v sbatch >/dev/null || { echo 'gwenlake-check: nosbatch'; exit 3; }\n"
+              f"{shlex.quote(py)} -c 'import gwenlake_hpc' >/dev/null 2>&1 || {{ echo 'gwenlake-check: nopython'; exit 3; }}\n"
+              "echo \"gwenlake-dir: $(pwd -P)\"\n"
+              f"if git cat-file -e {shlex.quote(commit + '^{commit}')} 2>/dev/null; then echo 'gwenlake-have: yes'; "
+              "else echo 'gwenlake-have: no'; fi\n"
+              "git for-each-ref --format='gwenlake-ref: %(objectname)' refs/heads refs/gwenlake/commits | head -n 200\n")
+    rc, out, err = conn.script(script, check=False, timeout_s=120)
+    name, host = conn.target.name, conn.target.host
+    problems = {
+        "nodir": f"cluster.remote_dir={cc.remote_dir} does not exist on {host}: clone the project there first "
+                 f"(git clone <url> {cc.remote_dir}) or fix cluster.remote_dir",
+        "nogit": f"git is not installed (or not in PATH) on {host}; add the line that loads it to cluster.setup",
+        "notgit": f"cluster.remote_dir={cc.remote_dir} on {host} is not a git checkout: clone the project there "
+                  f"(git clone <url> {cc.remote_dir}) and point cluster.remote_dir at it",
+        "notroot": f"cluster.remote_dir={cc.remote_dir} on {host} is inside a git checkout but not its top level: "
+                   "point cluster.remote_dir at the checkout's root",
+        "nosbatch": f"sbatch is not found on {host} (cluster {name}) in a non-interactive shell's PATH: add the line "
+                    "that makes it available (e.g. `module load slurm`) to cluster.setup, or check cluster.host is "
+                    "the cluster's login node",
+        "nopython": f"{cc.python} (cluster.python, after cluster.setup) on {host} cannot import gwenlake_hpc: install "
+                    "it in the cluster's environment, or set cluster.python / cluster.setup (e.g. `source "
+                    "~/venvs/train/bin/activate`) to that environment",
+    }
+    m = re.search(r"gwenlake-check: (\w+)", out)
+    if m:
+        raise ConfigError(f"cluster {name}: {problems[m.group(1)]}")
+    if rc != 0:
+        raise GwenlakeError(f"cluster {name}: checking {cc.remote_dir} on {host} failed ({rc}): {err.strip()[-1500:]}")
+    abs_dir = re.search(r"^gwenlake-dir: (.*)$", out, re.M).group(1)  # type: ignore[union-attr]
+    if re.search(r"\s", abs_dir):
+        raise ConfigError(f"cluster.remote_dir={abs_dir} contains whitespace, which #SBATCH lines cannot carry: "
+                          "use a path without spaces")
+    have = "gwenlake-have: yes" in out
+    refs = re.findall(r"^gwenlake-ref: ([0-9a-f]{40})$", out, re.M)
+    return abs_dir, have, refs
+
+
+def send_commit(conn: SshConnection, code: LocalCode, remote_dir: str, have: bool, remote_refs: list[str]) -> None:
+    """Make ``code.commit`` exist on the cluster under ``refs/gwenlake/commits/<sha>``.
+
+    A bundle of what the cluster lacks (``git bundle create ... HEAD --not <commits it has>``) is uploaded with
+    SFTP (atomically) into ``<remote_dir>/.gwenlake/bundles`` and fetched, then removed.
+
+    Raises:
+        GwenlakeError: git failed on either side.
+    """
+    sha = code.commit
+    ref = f"refs/gwenlake/commits/{sha}"
+    gw = f"{remote_dir}/.gwenlake"
+    if have:
+        conn.run(["git", "-C", remote_dir, "update-ref", ref, sha])
+        return
+    known = [s for s in remote_refs
+             if subprocess.run(["git", "cat-file", "-e", f"{s}^{{commit}}"], cwd=code.root,
+                               capture_output=True).returncode == 0]
+    with tempfile.TemporaryDirectory(prefix="gwenlake-bundle-") as tmp:
+        bundle = Path(tmp) / f"{sha}.bundle"
+        _git(code.root, "bundle", "create", "-q", str(bundle), "HEAD", *([f"^{s}" for s in known]))
+        conn.makedirs(f"{gw}/bundles")
+        remote_bundle = f"{gw}/bundles/{sha}-{uuid.uuid4().hex[:8]}.bundle"
+        with open(bundle, "rb") as fh:
+            conn.write_atomic(remote_bundle, fh)
+    try:
+        conn.run(["git", "-C", remote_dir, "fetch", "-q", "--no-tags", remote_bundle, f"HEAD:{ref}"], timeout_s=600)
+    finally:
+        conn.run(["rm", "-f", remote_bundle], check=False)
+    log.info("sent commit %s to %s:%s (%d known commit(s) excluded from the bundle)", sha[:12],
+             conn.target.host, remote_dir, len(known))
+
+
+def make_worktree(conn: SshConnection, remote_dir: str, sha: str, patch: bytes) -> tuple[str, str | None]:
+    """The job's checkout: ``<remote_dir>/.gwenlake/worktrees/<sha>[-<diff hash>]``, created once, reused.
+
+    Created under a temporary name (worktree add, diff applied) and moved into place, so a half-made checkout is
+    never used. Returns ``(path, sha256 of the diff or None)``.
+
+    Raises:
+        GwenlakeError: the worktree could not be made, or the diff does not apply (``git apply``'s message).
+    """
+    gw = f"{remote_dir}/.gwenlake"
+    digest = hashlib.sha256(patch).hexdigest() if patch else None
+    name = sha if digest is None else f"{sha}-{digest[:12]}"
+    wt = f"{gw}/worktrees/{name}"
+    conn.makedirs(f"{gw}/worktrees")
+    patch_path = None
+    if patch:
+        conn.makedirs(f"{gw}/patches")
+        patch_path = f"{gw}/patches/{digest}.diff"
+        conn.write_atomic(patch_path, patch)
+    tmp = f"{gw}/worktrees/.tmp-{uuid.uuid4().hex[:12]}"
+    q = shlex.quote
+    script = (f"set -e\ncd {q(remote_dir)}\n"
+              # .gwenlake/ must not show as an untracked change of the main checkout
+              "excl=\"$(git rev-parse --git-common-dir)/info/exclude\"; mkdir -p \"$(dirname \"$excl\")\"\n"
+              "grep -qxF '/.gwenlake/' \"$excl\" 2>/dev/null || echo '/.gwenlake/' >> \"$excl\"\n"
+              f"if [ -e {q(wt)}/.git ]; then\n"  # reuse it only if it still holds exactly that code
+              f"  test \"$(git -C {q(wt)} rev-parse HEAD)\" = {q(sha)} || {{ echo 'HEAD moved' >&2; exit 4; }}\n"
+              f"  d=\"$(git -C {q(wt)} diff --binary HEAD | sha256sum | cut -d' ' -f1)\"\n"
+              f"  test \"$d\" = {q(hashlib.sha256(patch).hexdigest())} || {{ echo 'files changed' >&2; exit 4; }}\n"
+              "  echo 'gwenlake-wt: reused'; exit 0\nfi\n"
+              f"git worktree add -q --detach {q(tmp)} {q(sha)}\n"
+              + (f"if ! git -C {q(tmp)} apply --binary --whitespace=nowarn {q(patch_path)}; then\n"
+                 f"  git worktree remove --force {q(tmp)}; echo 'gwenlake-wt: patch' >&2; exit 5\nfi\n"
+                 if patch_path else "")
+              + f"if ! git worktree move {q(tmp)} {q(wt)} 2>/dev/null; then\n"
+              f"  git worktree remove --force {q(tmp)}\n"
+              f"  test -e {q(wt)}/.git || {{ echo 'gwenlake-wt: move' >&2; exit 6; }}\nfi\n"
+              "echo 'gwenlake-wt: created'\n")
+    rc, out, err = conn.script(script, check=False, timeout_s=300)
+    if rc == 5:
+        raise GwenlakeError(f"cluster {conn.target.name}: the uncommitted diff (cluster.allow_dirty=true) does not "
+                            f"apply on top of {sha[:12]}: {err.strip()[-1500:]}")
+    if rc == 4:
+        raise GwenlakeError(f"cluster {conn.target.name}: the worktree {wt} no longer holds exactly {sha[:12]}"
+                            f"{' + the diff' if patch else ''} ({err.strip()}): someone changed it on the cluster. "
+                            f"Jobs of that code may still use it; once none does, remove it (git -C {remote_dir} "
+                            f"worktree remove --force {wt}) and submit again")
+    if rc != 0:
+        raise GwenlakeError(f"cluster {conn.target.name}: could not make the worktree {wt}: {err.strip()[-1500:]}")
+    log.info("code %s%s on %s: worktree %s (%s)", sha[:12], f" + diff {digest[:12]}" if digest else "",
+             conn.target.host, wt, out.strip().rsplit(" ", 1)[-1])
+    return wt, digest
+
+
+def remote_plan(conn: SshConnection, cc: Any, worktree: str, overrides: Sequence[str]) -> dict[str, Any]:
+    """Compose and plan the job on the login node, in its worktree; returns the plan's facts (run_dir, ...).
+
+    Raises:
+        ConfigError: the job config does not compose or plan there (the remote message is included).
+    """
+    command = [str(cc.python), "-m", "gwenlake_hpc.launch.remote", "plan", *overrides]
+    script = f"cd {shlex.quote(worktree)}\n{_setup(cc)}exec {' '.join(shlex.quote(a) for a in command)}\n"
+    rc, out, err = conn.script(script, check=False, timeout_s=900)
+    line = next((ln for ln in reversed(out.splitlines()) if ln.startswith(PLAN_MARK)), None)
+    if rc != 0 or line is None:
+        msg = err.strip() or out.strip()
+        last = "\n".join(msg.splitlines()[-8:])
+        if rc == EXIT_USAGE:
+            raise ConfigError(f"cluster {conn.target.name}: the job's config was refused on the cluster: {last}")
+        raise GwenlakeError(f"cluster {conn.target.name}: planning the job on {conn.target.host} failed "
+                            f"({rc}; `{' '.join(command[:4])} ...`): {last}")
+    return json.loads(line[len(PLAN_MARK):])
+
+
+def render_remote_script(lc: Any, cc: Any, job_name: str, worktree: str, run_dir: str, overrides: Sequence[str],
+                         secrets_file: str | None, patch_file: str | None) -> str:
+    """The sbatch script of a remote job: same shape as ``launcher=slurm``'s, values shell-quoted.
+
+    Raises:
+        ConfigError: bad launcher values (see :func:`gwenlake_hpc.launch.slurm.sbatch_parameters`).
+    """
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    params = sbatch_parameters(lc, job_name=job_name)
+    py = shlex.quote(str(cc.python))
+    forwarded = ["launcher.progress=lines", f"launcher.progress_every_s={float(lc.progress_every_s)}", *overrides]
+    command = f"{py} -u -m gwenlake_hpc " + " ".join(shlex.quote(o) for o in forwarded)
+    setup = [f"cd {shlex.quote(worktree)}", *[str(s) for s in cc.get("setup") or []]]
+    setup += setup_lines(lc, Path(secrets_file) if secrets_file else None)  # type: ignore[arg-type]
+    if patch_file:  # the uncommitted diff applied in the worktree (cluster.allow_dirty), for the lineage
+        setup.append(f"export GWENLAKE_CODE_PATCH={shlex.quote(patch_file)}")
+        setup.append(f"export GWENLAKE_CODE_PATCH_SHA256={shlex.quote(posixpath.basename(patch_file)[:-5])}")
+    teardown = teardown_lines(lc, python=str(cc.python))
+    return _make_sbatch_string(command=command, folder=f"{run_dir}/slurm", setup=setup, teardown=teardown,
+                               **params)
+
+
+def _write_remote_secrets(conn: SshConnection, lc: Any, remote_dir: str) -> str | None:
+    names = check_secrets(lc)
+    if not names:
+        return None
+    path = f"{remote_dir}/.gwenlake/secrets/{uuid.uuid4().hex}.env"
+    conn.write_private(path, "".join(f"{n}={shlex.quote(os.environ[n])}\n" for n in names))
+    return path
+
+
+def submit_remote(cfg: DictConfig, cluster_name: str, task_overrides: Sequence[str],
+                  cwd: Path | None = None) -> RemoteSubmission | None:
+    """Submit the job of ``cfg`` to the cluster ``cfg.cluster`` (see the module's docstring for the steps).
+
+    Args:
+        cfg: the composed config (with a ``cluster`` node).
+        cluster_name: the name chosen with ``cluster=NAME``.
+        task_overrides: the command line's overrides (Hydra's ``overrides.task``).
+        cwd: the workstation's project directory (default: the current one).
+
+    Returns:
+        The submission, or None for ``launcher.dry_run`` (the script is printed, nothing submitted).
+
+    Raises:
+        ConfigError: dirty tree, bad cluster or launcher settings, unknown host key, authentication, remote
+            checks (each names the field and the fix), a job config refused on the cluster.
+        GwenlakeError: git, sbatch or a transfer failed (their messages are included).
+    """
+    cwd = Path(cwd or Path.cwd())
+    cc = cfg.cluster
+    for key in ("host", "remote_dir"):
+        if OmegaConf.is_missing(cc, key) or not cc.get(key):
+            raise ConfigError(f"cluster.{key} is not set in conf/cluster/{cluster_name}.yaml")
+    target = SshTarget.from_config(cc, cluster_name)
+    lc = effective_launcher(cfg, task_overrides)
+    check_secrets(lc)
+    sbatch_parameters(lc, job_name="check")  # refuse bad launcher values before any transfer
+    overrides = job_overrides(task_overrides)
+    code = local_code(cwd, bool(cc.get("allow_dirty")))
+    for path in code.untracked[:20]:
+        log.warning("untracked file %s is not sent to the cluster (add and commit it if the job needs it)", path)
+    if code.patch:
+        log.warning("sending uncommitted changes (cluster.allow_dirty=true): %d bytes of diff on top of %s",
+                    len(code.patch), code.commit[:12])
+
+    with SshConnection(target) as conn:
+        remote_dir, have, refs = _check_remote(conn, cc, code.commit)
+        send_commit(conn, code, remote_dir, have, refs)
+        worktree, digest = make_worktree(conn, remote_dir, code.commit, code.patch)
+        paths = cfg.paths
+        path_ovs = [f"paths.data_root={_remote_path(remote_dir, str(paths.data_root))}",
+                    f"paths.runs_root={_remote_path(remote_dir, str(paths.runs_root))}"]
+        if paths.get("model_repo"):
+            path_ovs.append(f"paths.model_repo={_remote_path(remote_dir, str(paths.model_repo))}")
+        job_ovs = [*overrides, *path_ovs]
+        facts = remote_plan(conn, cc, worktree, job_ovs)
+        run_dir = facts["run_dir"]
+        if str(facts.get("tracking_uri") or "").startswith("sqlite"):
+            log.warning("tracking.uri is SQLite on the cluster (%s): not safe for many concurrent jobs on a shared "
+                        "filesystem; use an MLflow server (tracking.uri=http://host:5000)", facts["tracking_uri"])
+        job_name = f"gwenlake:{facts['model']}:{facts['run_key']}"
+        patch_file = f"{remote_dir}/.gwenlake/patches/{digest}.diff" if digest else None
+        if lc.dry_run:
+            print(render_remote_script(lc, cc, job_name, worktree, run_dir, job_ovs,
+                                       f"{remote_dir}/.gwenlake/secrets/<random>.env" if lc.secrets else None,
+                                       patch_file))
+            return None
+        secrets_file = _write_remote_secrets(conn, lc, remote_dir)
+        script = render_remote_script(lc, cc, job_name, worktree, run_dir, job_ovs, secrets_file, patch_file)
+        conn.makedirs(f"{run_dir}/slurm")
+        conn.makedirs(f"{remote_dir}/.gwenlake/scripts")
+        script_path = f"{remote_dir}/.gwenlake/scripts/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}.sbatch"
+        conn.write_atomic(script_path, script.encode(), mode=0o644)
+        submit_script = f"cd {shlex.quote(worktree)}\n{_setup(cc)}exec sbatch --parsable {shlex.quote(script_path)}\n"
+        try:
+            _, out, _ = conn.script(submit_script, timeout_s=120)
+        except RemoteCommandError as exc:
+            raise GwenlakeError(f"cluster {cluster_name}: sbatch refused the job: {exc.stderr.strip()[-1500:]}") from exc
+        job_id = out.strip().splitlines()[-1].split(";")[0].strip()
+        if not re.fullmatch(r"\d+(_\d+)?", job_id):
+            raise GwenlakeError(f"cluster {cluster_name}: sbatch --parsable printed {out.strip()!r}, not a job id")
+    sub = RemoteSubmission(job_id=job_id, cluster=cluster_name, commit=code.commit, worktree=worktree, run_dir=run_dir,
+                           stdout=f"{run_dir}/slurm/{job_id}_0_log.out",
+                           stderr=f"{run_dir}/slurm/{job_id}_0_log.err", script=script_path,
+                           patch_sha256=digest)
+    record_remote_job(_local_runs_root(cfg, cwd), sub, target, facts, overrides)
+    return sub
+
+
+def _local_runs_root(cfg: DictConfig, cwd: Path) -> Path:
+    """Where the workstation keeps its job index: ``paths.runs_root`` when relative (as on the cluster),
+    else ``./runs``."""
+    rr = str(cfg.paths.runs_root)
+    return (cwd / ("runs" if rr.startswith("/") else rr)).resolve()
+
+
+def record_remote_job(runs_root: Path, sub: RemoteSubmission, target: SshTarget, facts: dict[str, Any],
+                      overrides: Sequence[str]) -> None:
+    """Append the job to ``<runs_root>/.gwenlake-jobs.jsonl`` (the index of launch/slurm.py), with ``cluster``
+    (its name) and ``ssh`` (the connection settings: host, port, user, key path, known_hosts; no secret)."""
+    record = {"job_id": sub.job_id, "run_dir": sub.run_dir, "model": facts["model"], "run_key": facts["run_key"],
+              "target": facts.get("target"), "submitted": time.time(), "stdout": sub.stdout, "stderr": sub.stderr,
+              "folder": posixpath.dirname(sub.stdout), "overrides": list(overrides), "cluster": sub.cluster,
+              "ssh": target.to_dict(), "commit": sub.commit, "worktree": sub.worktree, "script": sub.script,
+              "patch_sha256": sub.patch_sha256}
+    runs_root.mkdir(parents=True, exist_ok=True)
+    with open(runs_root / JOBS_INDEX, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+# --- status, logs, cancel of remote jobs -------------------------------------------------------------------------
+
+def _conn(record: dict) -> SshConnection:
+    return connection(SshTarget.from_dict(record["ssh"]))
+
+
+def remote_state(record: dict) -> tuple[str, int | None]:
+    """(state, restarts) of a remote job from the cluster's scontrol/sacct; reconnects after a drop."""
+    from .status import slurm_state
+
+    conn = _conn(record)
+
+    def run(cmd: list[str]) -> str:
+        rc, out, _ = conn.run(cmd, check=False, retry=True, timeout_s=60)
+        return out
+
+    return slurm_state(record["job_id"], run=run)
+
+
+def remote_job_status(record: dict) -> Any:
+    """:class:`gwenlake_hpc.launch.status.JobStatus` of a remote job; run directory facts read over SFTP.
+
+    The step is the newest ``checkpoints/step-*`` directory holding its ``MANIFEST.json`` (the manifest is
+    written last, so a partial checkpoint has none; its hashes are not re-verified from here).
+    """
+    from .status import JobStatus
+
+    state, restarts = remote_state(record)
+    conn = _conn(record)
+    run_dir = record["run_dir"]
+    steps = sorted(int(n.split("-")[1]) for n in conn.listdir(f"{run_dir}/checkpoints")
+                   if re.fullmatch(r"step-\d+", n))
+    step = None
+    for s in reversed(steps):
+        if conn.stat_size(f"{run_dir}/checkpoints/step-{s:09d}/MANIFEST.json") is not None:
+            step = s
+            break
+    run_id = (conn.read_text(f"{run_dir}/tracking/run_id") or "").strip() or None
+    info = json.loads(conn.read_text(f"{run_dir}/run.json") or "{}")
+    version = (info.get("completed") or {}).get("version")
+    ck = Path(f"{run_dir}/checkpoints/step-{step:09d}") if step is not None else None
+    return JobStatus(record["job_id"], state, restarts, step, ck, run_id, version, Path(run_dir))
+
+
+def print_remote_logs(record: dict, follow: bool = False, stderr: bool = False, poll_s: float = 1.0) -> int:
+    """``logs JOB [-f]`` for a remote job: the log file read over SFTP from the last offset; with ``follow``,
+    until the job reaches a final state. A dropped connection is reopened and reading resumes at the same byte.
+
+    Raises:
+        ConnectionLost: the cluster stayed unreachable for the reconnect time (60 s).
+    """
+    from .status import FINAL_STATES
+
+    conn = _conn(record)
+    path = record["stderr" if stderr else "stdout"].replace("%j", record["job_id"])
+    pos = 0
+
+    def drain() -> None:
+        nonlocal pos
+        while True:
+            chunk = conn.read_from(path, pos)
+            if not chunk:
+                return
+            pos += len(chunk)
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+
+    seen = conn.reconnects
+    while True:
+        drain()
+        if not follow:
+            return 0
+        state, _ = remote_state(record)
+        if conn.reconnects != seen:
+            print(f"[gwenlake] connection to {conn.target.where} re-established; continuing at byte {pos}",
+                  file=sys.stderr, flush=True)
+            seen = conn.reconnects
+        if state.split()[0] in FINAL_STATES:
+            drain()
+            return 0
+        time.sleep(poll_s)
+
+
+def cancel_remote(record: dict) -> int:
+    """``scancel`` a remote job over SSH (checkpoints kept); returns the exit status."""
+    conn = _conn(record)
+    rc, _, err = conn.run(["scancel", record["job_id"]], check=False, timeout_s=60)
+    if rc != 0:
+        print(f"error: scancel {record['job_id']} on {record['cluster']}: {err.strip()}", file=sys.stderr)
+        return 1
+    print(f"cancelled {record['job_id']} on {record['cluster']}; its checkpoints are kept: submit the same job "
+          "again to resume")
+    return 0
+
+
+def wait_remote(record: dict, timeout_s: float | None = None, poll_s: float = 2.0) -> Any:
+    """Block until a remote job reaches a final state; returns its JobStatus.
+
+    Raises:
+        TimeoutError: ``timeout_s`` passed first.
+    """
+    from .status import FINAL_STATES
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        state, _ = remote_state(record)
+        if state.split()[0] in FINAL_STATES:
+            return remote_job_status(record)
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"job {record['job_id']} on {record['cluster']} still {state} after {timeout_s} s")
+        time.sleep(poll_s)
+
+
+class RemoteJobHandle:
+    """A job submitted over SSH, from Python: the same members as :class:`gwenlake_hpc.launch.status.JobHandle`.
+
+    Attributes:
+        job_id: SLURM job id on the cluster.
+        run_dir: the run directory on the cluster (a remote path).
+        record: the job record (with the connection settings).
+    """
+
+    def __init__(self, record: dict):
+        self.record = record
+        self.job_id = record["job_id"]
+        self.run_dir = Path(record["run_dir"])
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run id, once the job created or reattached it."""
+        return (_conn(self.record).read_text(f"{self.record['run_dir']}/tracking/run_id") or "").strip() or None
+
+    def status(self) -> Any:
+        """Current JobStatus."""
+        return remote_job_status(self.record)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the job ends.
+
+        Raises:
+            TimeoutError: not ended within ``timeout`` seconds.
+            GwenlakeError: it ended in another state than COMPLETED.
+        """
+        final = wait_remote(self.record, timeout)
+        if not final.state.startswith("COMPLETED"):
+            raise GwenlakeError(f"job {self.job_id} on {self.record['cluster']} ended {final.state}; see its log")
+        return final
+
+    def latest_checkpoint(self) -> Path | None:
+        """Remote directory of the newest complete checkpoint."""
+        return self.status().checkpoint
+
+    def cancel(self) -> None:
+        """scancel the job (checkpoints kept)."""
+        cancel_remote(self.record)
+
+
+# --- command line ------------------------------------------------------------------------------------------------
+
+def cli_submit(cfg: DictConfig) -> int:
+    """``cluster=NAME``: submit over SSH, print the job id, its commit, logs and run directory; with
+    ``launcher.wait=true`` (or ``cluster.launcher.wait``), block and report the result. Returns the exit status."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    name = hc.runtime.choices.get("cluster") or "cluster"
+    task = list(hc.overrides.task)
+    try:
+        sub = submit_remote(cfg, name, task)
+    except GwenlakeError as exc:
+        log.error("%s", exc)
+        return exc.exit_code
+    if sub is None:
+        return 0
+    print(f"submitted job {sub.job_id} to cluster {sub.cluster}\n  code {sub.commit}"
+          + (f" + uncommitted diff {sub.patch_sha256[:12]}" if sub.patch_sha256 else "")
+          + f"\n  worktree {sub.worktree}\n  run directory {sub.run_dir}\n  stdout {sub.stdout}\n  stderr {sub.stderr}"
+          "\n  follow it with: python -m gwenlake_hpc logs " + sub.job_id + " -f", flush=True)
+    if not effective_launcher(cfg, task).wait:
+        return 0
+    from .slurm import job_records
+
+    record = next(r for r in reversed(job_records(_local_runs_root(cfg, Path.cwd()))) if r["job_id"] == sub.job_id)
+    final = wait_remote(record)
+    print(f"job {sub.job_id}: {final.state}" + (f", model version {final.version}" if final.version else ""))
+    return 0 if final.state.startswith("COMPLETED") else 1
+
+
+def _plan_main(overrides: list[str]) -> int:
+    """On the cluster, in the job's worktree: compose the config, plan the job, print its facts as JSON."""
+    from hydra import compose, initialize_config_dir
+
+    from ..config import conf_dir, register
+    from ..job import plan
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    register()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="gwenlake_plan"):
+            cfg = compose(config_name="config", overrides=overrides)
+        p = plan(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # Hydra's composition errors: usage errors
+        if exc.__class__.__module__.startswith(("hydra", "omegaconf")):
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        raise
+    print(PLAN_MARK + json.dumps({"run_dir": str(p.run_dir), "model": p.model_name, "run_key": p.key,
+                                  "target": p.tf.target, "runs_root": str(p.runs_root),
+                                  "tracking_uri": p.tracking_uri}), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gwenlake_hpc.launch.remote plan OVERRIDES...`` (run on the cluster by the submission)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] != "plan":
+        print("usage: python -m gwenlake_hpc.launch.remote plan [overrides...]", file=sys.stderr)
+        return EXIT_USAGE
+    return _plan_main(args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

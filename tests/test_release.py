@@ -1,0 +1,182 @@
+"""The release gate and `models promote / rollback / list / show`, driven through the command line, with a real
+MLflow server mirroring the aliases; and the issue's "done when" on the churn example."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import uuid
+
+import numpy as np
+import pytest
+from mlflow import MlflowClient
+from sklearn.metrics import roc_auc_score
+
+from conftest import REPO, Project, git
+from gwenlake_hpc.data import Catalog
+from gwenlake_hpc.registry import alias_history, current_aliases, load_model
+from mlflow_server import MlflowServer, drop_postgres_database, postgres_available, postgres_backend, sqlite_backend
+from release_project import make_scorer_project, train
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mlflow")
+    dbname = None
+    if postgres_available():
+        dbname = f"gwl_rel_{uuid.uuid4().hex[:8]}"
+        backend = postgres_backend(dbname)
+    else:
+        backend = sqlite_backend(tmp)
+    srv = MlflowServer(backend, workdir=tmp).start()
+    yield srv
+    srv.stop(kill=True)
+    if dbname:
+        drop_postgres_database(dbname)
+
+
+def test_promote_passes_refuses_worse_and_schema_change_then_rollback(tmp_path, server):
+    p = make_scorer_project(tmp_path / "project")
+    uri = f"tracking.uri={server.uri}"
+    worse, _ = train(p, "scorer:fit", uri, "+job.params.noise=1.5")
+    better, _ = train(p, "scorer:fit", uri, "+job.params.noise=0.0")
+    wide, _ = train(p, "scorer:fit_wide", uri)
+    client = MlflowClient(server.uri, registry_uri=server.uri)
+
+    def mv_of(sha):
+        return next(v.version for v in client.search_model_versions("name='t.scorer'")
+                    if v.tags["gwenlake.version"] == sha)
+
+    def promote(sha, *extra):
+        return p.run("models", "promote", "t.scorer", "--version", sha[:10], "--alias", "champion",
+                     "--tracking-uri", server.uri, *extra)
+
+    test = Catalog(p.root / "data").open("t.cls-test").read(["x", "label"])
+    auc = {sha: roc_auc_score(test["label"], test["x"].astype(np.float64) @ np.load(
+        load_model("t.scorer", sha, repo=p.root).path / "w.npy")) for sha in (worse, better)}
+    print(f"test AUC better {auc[better]:.4f}, worse {auc[worse]:.4f}")
+    assert auc[better] > auc[worse] + 0.01
+
+    first = promote(worse, "--reason", "first release")
+    print(first.stdout)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "PASS  metric   no incumbent; roc_auc " + f"{auc[worse]:.4f}" in first.stdout
+    assert "PASS  latency" in first.stdout and "promoted: alias champion" in first.stdout
+
+    second = promote(better)
+    print(second.stdout)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"PASS  metric   roc_auc {auc[better]:.4f} vs incumbent {auc[worse]:.4f}" in second.stdout
+    assert current_aliases("t.scorer", p.root)["champion"] == better
+    assert client.get_model_version_by_alias("t.scorer", "champion").version == mv_of(better)
+
+    refused = promote(worse)
+    print(refused.stdout)
+    assert refused.returncode == 1
+    assert f"FAIL  metric   roc_auc {auc[worse]:.4f} vs incumbent {auc[better]:.4f}" in refused.stdout
+    assert "FAIL  slices" in refused.stdout and "REGRESSED" in refused.stdout
+    assert f"alias champion stays at {better}" in refused.stdout
+    assert current_aliases("t.scorer", p.root)["champion"] == better
+
+    schema = promote(wide)
+    print(schema.stdout)
+    assert schema.returncode == 1
+    assert "FAIL  schema   inputs {xw: <f4 [5]} differ from the incumbent's {x: <f4 [4]}" in schema.stdout
+    assert current_aliases("t.scorer", p.root)["champion"] == better
+
+    back = p.run("models", "rollback", "t.scorer", "--alias", "champion", "--tracking-uri", server.uri,
+                 "--reason", "incident 42", check=0)
+    assert f"{better} -> {worse} (rolled back)" in back.stdout
+    assert current_aliases("t.scorer", p.root)["champion"] == worse
+    assert client.get_model_version_by_alias("t.scorer", "champion").version == mv_of(worse)
+    last = alias_history("t.scorer", p.root)[-1]
+    assert (last["alias"], last["action"], last["previous"], last["version"], last["reason"]) == \
+        ("champion", "rollback", better, worse, "incident 42")
+    again = p.run("models", "rollback", "t.scorer", "--alias", "champion")
+    assert again.returncode == 2 and "no previous version" in again.stderr
+
+    listed = p.run("models", "list", "t.scorer", "--history", check=0).stdout
+    print(listed)
+    assert re.search(rf"{worse}  \S+  \[champion\]", listed)
+    assert re.search(rf"{wide}  \S+  \[candidate\]", listed)
+    assert "champion: " + better[:12] + " -> " + worse[:12] + "  rollback by " in listed
+
+
+def test_gate_refuses_unloadable_versions_and_reports_config_errors(tmp_path):
+    p = make_scorer_project(tmp_path / "project")
+    (tmp_path / "hand").mkdir()
+    np.save(tmp_path / "hand" / "w.npy", np.ones(4, dtype=np.float32))
+    out = p.run("models", "commit", str(tmp_path / "hand"), "t.scorer", check=0).stdout
+    hand = out.split()[-1]
+    res = p.run("models", "promote", "t.scorer", "--version", hand)
+    assert res.returncode == 1
+    assert "FAIL  files    not loadable: missing files ['metrics.json', 'lineage.json']" in res.stdout
+    assert "champion" not in current_aliases("t.scorer", p.root)
+
+    good, _ = train(p, "scorer:fit", "job.tracking=false")
+    slow = tmp_path / "slow.yaml"
+    slow.write_text((p.root / "conf" / "release" / "scorer.yaml").read_text()
+                    .replace("latency_budget_ms: 500", "latency_budget_ms: 0.000001"))
+    res = p.run("models", "promote", "t.scorer", "--version", good, "--config", str(slow))
+    assert res.returncode == 1 and re.search(r"FAIL  latency  median [0-9.]+ ms for 64 rows, budget 1e-06 ms",
+                                             res.stdout), res.stdout
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: t.scorer\nmetric: roc_auc\ntest_dataset: t.cls-test\nlabel: label\nmargn: 0.1\n")
+    res = p.run("models", "promote", "t.scorer", "--version", good, "--config", str(bad))
+    assert res.returncode == 2 and "margn" in res.stderr, res.stderr
+    bad.write_text("model: t.scorer\nmetric: f1\ntest_dataset: t.cls-test\nlabel: label\n")
+    res = p.run("models", "promote", "t.scorer", "--version", good, "--config", str(bad))
+    assert res.returncode == 2 and "metric='f1'" in res.stderr and "roc_auc" in res.stderr
+    (p.root / "conf" / "release" / "scorer.yaml").unlink()
+    res = p.run("models", "promote", "t.scorer", "--version", good)
+    assert res.returncode == 2 and "no release config for t.scorer" in res.stderr
+    res = p.run("models", "promote", "t.scorer", "--version", "zzz", "--config", str(slow))
+    assert res.returncode == 2 and "give a commit SHA" in res.stderr
+
+
+@pytest.mark.slow
+def test_done_when_churn_trained_twice_listed_loaded_promoted_refused_rolled_back(tmp_path):
+    root = tmp_path / "churn"
+    root.mkdir()
+    shutil.copytree(REPO / "conf", root / "conf")
+    shutil.copytree(REPO / "examples", root / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    (root / ".gitignore").write_text("runs/\ndata/\n")
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "code")
+    p = Project(root)
+
+    def version_of(proc):
+        return proc.stdout.strip().splitlines()[-1].split()[-1]
+
+    worse = version_of(p.run("+job=churn", "job.steps=20", "job.params.lr=0.0003", check=0, timeout=600))
+    better = version_of(p.run("+job=churn", check=0, timeout=600))
+    m = {v: json.loads(p.git("show", f"{v}:crm/churn/metrics.json"))["test_auc"] for v in (worse, better)}
+    print(f"churn test_auc: 20 steps {m[worse]:.4f}, 3000 steps {m[better]:.4f}")
+    assert m[better] > m[worse] + 0.002
+
+    listed = p.run("models", "list", "crm.churn", check=0).stdout
+    assert f"{better}  " in listed and f"{worse}  " in listed and f"test_auc={m[better]:.4f}" in listed
+    shown = p.run("models", "show", "crm.churn", worse[:12], check=0).stdout
+    assert f"version {worse}" in shown and "model.safetensors" in shown
+
+    steps = []
+    for sha, code in ((worse, 0), (better, 0), (worse, 1)):
+        res = p.run("models", "promote", "crm.churn", "--version", sha, "--alias", "champion")
+        steps.append(res.stdout)
+        print(res.stdout)
+        assert res.returncode == code, res.stdout + res.stderr
+    # the gate scores both versions itself: its AUCs equal the ones the trainings computed
+    assert f"PASS  metric   roc_auc {m[better]:.4f} vs incumbent {m[worse]:.4f}" in steps[1]
+    assert f"FAIL  metric   roc_auc {m[worse]:.4f} vs incumbent {m[better]:.4f}" in steps[2]
+    champion = p.run("models", "show", "crm.churn", "--alias", "champion", check=0)
+    assert f"version {better}" in champion.stdout and f"alias champion of crm.churn resolved to version {better}" \
+        in champion.stdout + champion.stderr
+
+    back = p.run("models", "rollback", "crm.churn", "--alias", "champion", check=0)
+    assert f"{better} -> {worse} (rolled back)" in back.stdout
+    listed = p.run("models", "list", "crm.churn", "--history", check=0).stdout
+    print(listed)
+    assert re.search(rf"{worse}  \S+  \[champion\]", listed)
