@@ -148,17 +148,24 @@ def _who() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
+_ANY = object()
+
+
 def move_alias(model_name: str, alias: str, version: str, *, repo: Any = None, action: str = "set",
-               reason: str = "", max_attempts: int = 50) -> dict:
+               reason: str = "", max_attempts: int = 50, expected: Any = _ANY) -> dict:
     """Point ``alias`` of ``model_name`` at ``version`` and append the move to the alias log.
 
     The log is a commit on ``refs/gwenlake/aliases/<model>`` (see the module docstring) moved by
     compare-and-swap; a lost race re-reads the new tip and retries. The MLflow alias is not touched here (see
     :func:`mlflow_set_alias`). Returns the move recorded (see :func:`alias_history`).
 
+    ``expected`` (a version SHA, or None for "unset") makes the move conditional on the alias still pointing
+    there when the log is swapped: a promote gated against one incumbent never lands on top of another.
+
     Raises:
         ConfigError: bad model name or alias, ``version`` not a version of the model.
-        GwenlakeError: git failed, or the ref kept moving for ``max_attempts`` tries.
+        GwenlakeError: git failed, the ref kept moving for ``max_attempts`` tries, or the alias no longer
+            points at ``expected`` (someone moved it meanwhile: run the command again).
     """
     _check_alias(alias)
     with tempfile.TemporaryDirectory(prefix="gwenlake-alias-") as tmpdir:
@@ -170,6 +177,9 @@ def move_alias(model_name: str, alias: str, version: str, *, repo: Any = None, a
         for attempt in range(1, max_attempts + 1):
             tip, history = _read_log(g, model_name)
             now = {m["alias"]: m["version"] for m in history}
+            if expected is not _ANY and now.get(alias) != expected:
+                raise GwenlakeError(f"alias {alias} of {model_name} moved to {now.get(alias) or 'unset'} while this "
+                                    f"command checked it against {expected or 'unset'}; nothing changed: run it again")
             move = {"alias": alias, "version": sha, "previous": now.get(alias), "who": _who(),
                     "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "action": action,
                     "reason": reason or ""}
@@ -658,7 +668,7 @@ def models_command(args: Any) -> int:
                        config=args.config, data_root=Path(args.data_root), tracking_uri=uri, force=False)
     if args.action == "rollback":
         current, previous = rollback_target(args.name, args.alias, repo)
-        move_alias(args.name, args.alias, previous, repo=repo, action="rollback",
+        move_alias(args.name, args.alias, previous, repo=repo, action="rollback", expected=current,
                    reason=args.reason or f"rollback from {current[:12]}")
         if uri:
             try:

@@ -313,7 +313,7 @@ def promote(model_name: str, version: str, alias: str, *, repo: Any = None, reas
             f"{incumbent.version if incumbent else 'nothing (unset)'}")
         return 1
     summary = "; ".join(f"{c.name}: {c.detail}" for c in checks if c.name == "metric")
-    move_alias(model_name, alias, candidate.version, repo=repo, action="promote",
+    move_alias(model_name, alias, candidate.version, repo=repo, action="promote", expected=incumbent_sha,
                reason=(reason + " | " if reason else "") + summary)
     if tracking_uri:
         try:

@@ -189,7 +189,8 @@ class Run:
         if resume not in ("auto", "never"):
             raise ConfigError(f"job.resume={resume!r}: use 'auto' or 'never'")
         self.store = CheckpointStore(self.run_dir / "checkpoints", run_key)
-        self._scratch = self.run_dir / ".ranks" / f"rank-{self.rank:05d}"
+        # Where a rank other than 0 puts its (discarded) checkpoint files; its Output is a sibling folder.
+        self._scratch = self.run_dir / ".ranks" / f"rank-{self.rank:05d}" / "checkpoint"
         latest = None
         if self.dist.is_main:
             removed = self.store.clean_partials()
@@ -351,6 +352,12 @@ class Run:
         total, per_epoch = self._resolve_total(batches)
         self.total_steps = total
         shield_workers(batches)
+        was = (self._run_state or {}).get("world_size", 1)
+        if self._run_state is not None and self._steps_setting is None and was != self.world_size:
+            # An epoch is len(batches) // world_size steps: another number of ranks changes the run's length.
+            raise ConfigError(f"this run's checkpoints were written by {was} rank(s) and this job has "
+                              f"{self.world_size}: with job.epochs the number of steps depends on it; run it with "
+                              f"{was} task(s), or set job.steps, or start a new run (job.model=...)")
         if self._run_state is not None:
             set_rng_state(self._run_state["rng"])
         if self.resumed:

@@ -489,14 +489,15 @@ def _smudge_pointers(cwd: PathLike, env: Mapping[str, str], out_dir: Path) -> in
                 raise GwenlakeError(f"{path.name} is stored with git-lfs but git-lfs is not installed;"
                                     " install it (Debian: apt-get install git-lfs) to read this version")
             tmp = path.with_name(f".{name}.smudge")
+            # GIT_LFS_SKIP_SMUDGE=1 (common in CI clones) would make smudge echo the pointer back.
+            smudge_env = {k: v for k, v in {**os.environ, **env}.items() if k != "GIT_LFS_SKIP_SMUDGE"}
             with open(tmp, "wb") as fh:
                 proc = subprocess.run(["git", "lfs", "smudge", "--", name], input=pointer, stdout=fh,
-                                      stderr=subprocess.PIPE, cwd=cwd, env={**os.environ, **env},
-                                      timeout=3600)
-            if proc.returncode != 0:
+                                      stderr=subprocess.PIPE, cwd=cwd, env=smudge_env, timeout=3600)
+            if proc.returncode != 0 or (tmp.stat().st_size < _LFS_POINTER_MAX and is_lfs_pointer(tmp.read_bytes())):
                 tmp.unlink(missing_ok=True)
                 raise GwenlakeError(f"git lfs smudge of {path.name} failed (exit {proc.returncode}):"
-                                    f" {proc.stderr.decode(errors='replace').strip()[-500:]}")
+                                    f" {proc.stderr.decode(errors='replace').strip()[-500:] or 'it gave the pointer back'}")
             os.replace(tmp, path)
             count += 1
     return count

@@ -64,3 +64,48 @@ def project(tmp_path) -> Project:
     y = (x @ np.array([1.0, -2.0, 0.5, 0.0], dtype=np.float32) + 0.1 * rng.normal(size=200)).astype(np.float32)
     Catalog(root / "data").write("t.rows", {"x": x, "y": y})
     return Project(root)
+
+
+def make_churn_project(root: Path, message: str = "code") -> Project:
+    """A user's project holding the churn example (conf/, examples/), committed in its own git repository."""
+    root.mkdir(parents=True)
+    shutil.copytree(REPO / "conf", root / "conf")
+    shutil.copytree(REPO / "examples", root / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    (root / ".gitignore").write_text("runs/\ndata/\n")
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", message)
+    return Project(root)
+
+
+def mlflow_server_fixture(tmp_path_factory):
+    """Body of a module-scoped ``mlflow server`` fixture: PostgreSQL-backed when one answers, else SQLite."""
+    from mlflow_server import postgres_available, serve
+
+    yield from serve(tmp_path_factory.mktemp("mlflow"), backend="postgresql" if postgres_available() else "sqlite")
+
+
+def run_concurrently(n: int, work) -> dict:
+    """Call ``work(i)`` for i in 0..n-1 in n threads released together; returns {i: result}.
+
+    Raises the first exception a thread raised (after all threads ended)."""
+    import threading
+
+    barrier = threading.Barrier(n)
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            barrier.wait()
+            results[i] = work(i)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results

@@ -158,7 +158,11 @@ def job_restarts(job_id: int) -> int:
 
 def release(job_id: int) -> None:
     """Let a requeued job start now instead of ~2 minutes later (``scontrol update jobid=N StartTime=now``;
-    root or SlurmUser only)."""
+    root or SlurmUser only).
+
+    Waits 2 s first: slurmd revokes the old credential of a requeued job with one-second resolution, and a
+    start within the same second is killed ("Job credential revoked") -- SLURM's own delay avoids that."""
+    time.sleep(2)
     proc = _run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"])
     if proc is None or proc.returncode != 0:
         raise RuntimeError(f"scontrol update jobid={job_id} StartTime=now failed: "

@@ -3,32 +3,23 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 
-from conftest import REPO, Project, git
+from conftest import make_churn_project
 from gwenlake_hpc.data import Catalog
 
 
 @pytest.mark.slow
 def test_churn_job_matches_logistic_regression(tmp_path):
-    root = tmp_path / "churn"
-    root.mkdir()
-    shutil.copytree(REPO / "conf", root / "conf")
-    shutil.copytree(REPO / "examples", root / "examples", ignore=shutil.ignore_patterns("__pycache__"))
-    (root / ".gitignore").write_text("runs/\ndata/\n")
-    git(root, "init", "-q", "-b", "main")
-    git(root, "add", "-A")
-    git(root, "commit", "-q", "-m", "code")
-    project = Project(root)
+    project = make_churn_project(tmp_path / "churn")
     proc = project.run("+job=churn", check=0, timeout=900)
     version = proc.stdout.strip().splitlines()[-1].split()[-1]
     metrics = json.loads(project.git("show", f"{version}:crm/churn/metrics.json"))
 
-    catalog = Catalog(root / "data")
+    catalog = Catalog(project.root / "data")
     train, test = catalog.open("crm.churn-train"), catalog.open("crm.churn-test")
     assert (train.rows, test.rows) == (5634, 1409)  # 7,043 customers, 20 % held out, stratified
     tr, te = train.read(["features", "churn"]), test.read(["features", "churn"])

@@ -70,10 +70,13 @@ def test_stop_seen_by_one_rank_stops_all_and_resume_is_bit_identical(project):
     assert state0["world_size"] == 2 and state0["rng"] != rank1["rng"]  # each rank's own RNG
     assert not list(run_dir.glob("output/*"))  # nothing committed
 
-    second = launch(project, "+job=t")
+    second = launch(project, "+job=t", env={"GWL_TEST_NOTE": "1"})
     assert [r[0] for r in second] == [0, 0], second[0][2][-3000:] + second[1][2][-3000:]
     assert all("resuming from step 24" in so + se for _, so, se in second)
-    resumed = model_of(project, version_in(second[0][1]))
+    version = version_in(second[0][1])
+    resumed = model_of(project, version)
+    # rank 0's output is the one committed; rank 1 wrote its own into a scratch folder, never the commit
+    assert project.git("show", f"{version}:t/model/note.txt") == "rank 0 of 2"
     assert resumed.keys() == reference.keys()
     for k in reference:
         assert (resumed[k] == reference[k]).all(), k
@@ -86,3 +89,15 @@ def test_a_rank_that_dies_does_not_hang_the_others(project):
     res = launch(project, "+job=t", env={"GWL_TEST_BAD": "raise"}, timeout=120)
     assert all(rc != 0 for rc, _, _ in res), [r[0] for r in res]
     assert "boom at step 5" in "".join(so + se for _, so, se in res)
+
+
+def test_epochs_run_refuses_another_number_of_ranks(project):
+    first = project.run("+job=t", "job.target=trainer.py:fit_epochs", env={"GWL_TEST_SIGTERM_AT": "15"})
+    assert first.returncode == 75, first.stderr[-2000:]
+    res = launch(project, "+job=t", "job.target=trainer.py:fit_epochs")
+    assert [rc for rc, _, _ in res] == [2, 2]
+    text = "".join(so + se for _, so, se in res)
+    assert "written by 1 rank(s) and this job has 2" in text and "job.steps" in text
+    assert "model t.model version" not in text
+    again = project.run("+job=t", "job.target=trainer.py:fit_epochs", check=0)  # one task again: resumes
+    assert "resuming from step 16" in again.stdout + again.stderr

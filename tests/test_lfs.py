@@ -6,12 +6,12 @@ import logging
 import os
 import shutil
 import subprocess
-import threading
 from pathlib import Path
 
 import git
 import pytest
 
+from conftest import run_concurrently
 from gwenlake_hpc.errors import GwenlakeError
 from gwenlake_hpc.registry import load_model
 from gwenlake_hpc.versioning import commit_model, export_version, is_lfs_pointer, push_versions, read_file
@@ -47,7 +47,7 @@ def weights(path: Path, size: int, seed: int) -> bytes:
 
 
 @pytest.mark.parametrize("commit_attrs", [True, False])
-def test_weights_committed_as_pointer_and_resolved_on_read(tmp_path, commit_attrs):
+def test_weights_committed_as_pointer_and_resolved_on_read(tmp_path, commit_attrs, monkeypatch):
     # commit_attrs=False: the attributes live only in the work tree, so the version's tree has none and
     # reading must still give the content (the pointer is smudged explicitly).
     repo = lfs_repo(tmp_path / "models", commit_attrs)
@@ -66,6 +66,8 @@ def test_weights_committed_as_pointer_and_resolved_on_read(tmp_path, commit_attr
     g(tmp_path, "lfs", "pointer", f"--file={src / 'model.safetensors'}", f"--pointer={tmp_path / 'pointer'}")
     assert g(repo, "cat-file", "blob", f"{sha}:crm/churn/config.json") == '{"a": 1}'  # not through LFS
 
+    # GIT_LFS_SKIP_SMUDGE=1 (set by many CI clones) must not leave pointers in what a read returns
+    monkeypatch.setenv("GIT_LFS_SKIP_SMUDGE", "1")
     assert read_file(repo, "crm.churn", sha, "model.safetensors") == content
     dest = export_version(repo, "crm.churn", sha, tmp_path / "export")
     assert (dest / "model.safetensors").read_bytes() == content
@@ -81,20 +83,8 @@ def test_concurrent_lfs_commits_all_land(tmp_path):
     contents = {}
     for i in range(n):
         contents[i] = weights(tmp_path / f"out{i}" / "model.safetensors", 200_000, i)
-    barrier = threading.Barrier(n)
-    results, errors = {}, []
-
-    def work(i):
-        try:
-            barrier.wait()
-            results[i] = commit_model(git.Repo(repo), "crm.churn", tmp_path / f"out{i}", message=f"w{i}")
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    assert errors == []
+    results = run_concurrently(n, lambda i: commit_model(git.Repo(repo), "crm.churn", tmp_path / f"out{i}",
+                                                         message=f"w{i}"))
     chain = g(repo, "rev-list", "--first-parent", "models/crm.churn").split()
     assert set(results.values()) <= set(chain) and len(set(results.values())) == n
     for i, sha in results.items():

@@ -4,34 +4,21 @@ load_model by SHA and alias, Model(alias=...) bindings, lineage.json."""
 from __future__ import annotations
 
 import json
-import threading
-import uuid
 
 import numpy as np
 import pytest
 from mlflow import MlflowClient
 
+from conftest import mlflow_server_fixture, run_concurrently
 from gwenlake_hpc.data import Catalog
-from gwenlake_hpc.errors import ConfigError
+from gwenlake_hpc.errors import ConfigError, GwenlakeError
 from gwenlake_hpc.registry import alias_history, current_aliases, load_model, move_alias, rollback_target
-from mlflow_server import MlflowServer, drop_postgres_database, postgres_available, postgres_backend, sqlite_backend
 from release_project import make_scorer_project, train
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("mlflow")
-    dbname = None
-    if postgres_available():
-        dbname = f"gwl_reg_{uuid.uuid4().hex[:8]}"
-        backend = postgres_backend(dbname)
-    else:
-        backend = sqlite_backend(tmp)
-    srv = MlflowServer(backend, workdir=tmp).start()
-    yield srv
-    srv.stop(kill=True)
-    if dbname:
-        drop_postgres_database(dbname)
+    yield from mlflow_server_fixture(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -99,20 +86,7 @@ def test_concurrent_alias_moves_all_recorded_and_rollback_walks_back(scorer):
     versions = [v["version"] for v in __import__("gwenlake_hpc").versioning.list_versions(scorer.root, "t.scorer")]
     before = len(alias_history("t.scorer", scorer.root))
     n = 10
-    barrier = threading.Barrier(n)
-    errors = []
-
-    def work(i):
-        try:
-            barrier.wait()
-            move_alias("t.scorer", f"a{i}", versions[i % len(versions)], repo=scorer.root)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    assert errors == []
+    run_concurrently(n, lambda i: move_alias("t.scorer", f"a{i}", versions[i % len(versions)], repo=scorer.root))
     assert len(alias_history("t.scorer", scorer.root)) == before + n
     assert {f"a{i}" for i in range(n)} <= set(current_aliases("t.scorer", scorer.root))
 
@@ -120,6 +94,13 @@ def test_concurrent_alias_moves_all_recorded_and_rollback_walks_back(scorer):
     move_alias("t.scorer", "x", versions[1], repo=scorer.root, action="promote")
     assert rollback_target("t.scorer", "x", scorer.root) == (versions[1], versions[0])
     move_alias("t.scorer", "x", versions[0], repo=scorer.root, action="rollback")
+    # a move conditional on the alias's value (a promote gated against that incumbent) refuses a stale one
+    before = len(alias_history("t.scorer", scorer.root))
+    with pytest.raises(GwenlakeError, match="moved to"):
+        move_alias("t.scorer", "x", versions[1], repo=scorer.root, action="promote", expected=versions[1])
+    assert len(alias_history("t.scorer", scorer.root)) == before
+    move_alias("t.scorer", "x", versions[1], repo=scorer.root, action="promote", expected=versions[0])
+    move_alias("t.scorer", "x", versions[0], repo=scorer.root, action="rollback", expected=versions[1])
     with pytest.raises(ConfigError, match="no previous version"):
         rollback_target("t.scorer", "x", scorer.root)
     with pytest.raises(ConfigError, match="not a commit of the model repository"):

@@ -5,35 +5,21 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import uuid
 
 import numpy as np
 import pytest
 from mlflow import MlflowClient
 from sklearn.metrics import roc_auc_score
 
-from conftest import REPO, Project, git
+from conftest import make_churn_project, mlflow_server_fixture
 from gwenlake_hpc.data import Catalog
 from gwenlake_hpc.registry import alias_history, current_aliases, load_model
-from mlflow_server import MlflowServer, drop_postgres_database, postgres_available, postgres_backend, sqlite_backend
 from release_project import make_scorer_project, train
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("mlflow")
-    dbname = None
-    if postgres_available():
-        dbname = f"gwl_rel_{uuid.uuid4().hex[:8]}"
-        backend = postgres_backend(dbname)
-    else:
-        backend = sqlite_backend(tmp)
-    srv = MlflowServer(backend, workdir=tmp).start()
-    yield srv
-    srv.stop(kill=True)
-    if dbname:
-        drop_postgres_database(dbname)
+    yield from mlflow_server_fixture(tmp_path_factory)
 
 
 def test_promote_passes_refuses_worse_and_schema_change_then_rollback(tmp_path, server):
@@ -138,15 +124,7 @@ def test_gate_refuses_unloadable_versions_and_reports_config_errors(tmp_path):
 
 @pytest.mark.slow
 def test_done_when_churn_trained_twice_listed_loaded_promoted_refused_rolled_back(tmp_path):
-    root = tmp_path / "churn"
-    root.mkdir()
-    shutil.copytree(REPO / "conf", root / "conf")
-    shutil.copytree(REPO / "examples", root / "examples", ignore=shutil.ignore_patterns("__pycache__"))
-    (root / ".gitignore").write_text("runs/\ndata/\n")
-    git(root, "init", "-q", "-b", "main")
-    git(root, "add", "-A")
-    git(root, "commit", "-q", "-m", "code")
-    p = Project(root)
+    p = make_churn_project(tmp_path / "churn")
 
     def version_of(proc):
         return proc.stdout.strip().splitlines()[-1].split()[-1]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Project, git
+from conftest import Project, git, make_churn_project
 from slurm_cluster import require_cluster
 from sshd_server import SshServer, require_sshd
 
@@ -321,14 +321,7 @@ def test_proxy_jump_through_a_bastion(rc):
 def test_done_when_churn_from_a_workstation_clone_through_sshd(sshd, tmp_path):
     """The issue's "Done when": one command on a workstation clone submits the churn job through sshd to the
     cluster, and the model's lineage names the exact commit that trained it."""
-    origin = tmp_path / "origin"
-    origin.mkdir()
-    shutil.copytree(REPO / "conf", origin / "conf")
-    shutil.copytree(REPO / "examples", origin / "examples", ignore=shutil.ignore_patterns("__pycache__"))
-    (origin / ".gitignore").write_text("runs/\ndata/\n")
-    git(origin, "init", "-q", "-b", "main")
-    git(origin, "add", "-A")
-    git(origin, "commit", "-q", "-m", "churn project")
+    origin = make_churn_project(tmp_path / "origin", message="churn project").root
     cluster_dir = tmp_path / "cluster" / "churn"
     git(tmp_path, "clone", "-q", str(origin), str(cluster_dir))
     ws_dir = tmp_path / "workstation" / "churn"

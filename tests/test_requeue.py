@@ -33,6 +33,13 @@ def test_decisions():
     assert d.action == "fail" and "signal 9" in d.reason
     assert decide(0, 0, 3, None, 120).action == "done"
     assert decide(1, 0, 3, None, 120).action == "fail"
+    # a scancel or preemption near the time limit: the job is no longer RUNNING, SLURM decides (no requeue
+    # of a cancelled job, no second requeue of a preempted one)
+    assert decide(75, 0, 3, 40, 30, state="RUNNING").action == "requeue"
+    for state in ("COMPLETING", "CANCELLED", "PREEMPTED", "TIMEOUT"):
+        d = decide(75, 0, 3, 40, 30, state=state)
+        assert d.action == "leave" and state in d.reason
+        assert decide(137, 0, 3, None, 30, state=state).action == "leave"
 
 
 def _launcher(**kw):

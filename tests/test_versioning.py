@@ -8,13 +8,13 @@ import re
 import shutil
 import stat
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import git
 import pytest
 
+from conftest import run_concurrently
 from gwenlake_hpc.errors import ConfigError, GwenlakeError
 from gwenlake_hpc.versioning import (
     CODE_TRAILER,
@@ -283,25 +283,9 @@ def test_concurrent_commits_all_land(tmp_path, with_code):
     n = 20
     srcs = [make_src(tmp_path / f"out{i}", {"w.bin": f"worker {i}".encode(),
                                             f"only_{i}.txt": str(i).encode()}) for i in range(n)]
-    barrier = threading.Barrier(n)
-    results: dict[int, str] = {}
-    errors: list[BaseException] = []
-
-    def work(i: int) -> None:
-        try:
-            repo = git.Repo(repo_dir)  # one handle per worker, like separate jobs
-            barrier.wait()
-            results[i] = commit_model(repo, "crm.churn", srcs[i], message=f"worker {i}",
-                                      code_commit=code)
-        except BaseException as err:  # noqa: BLE001 - reported below
-            errors.append(err)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    # one repository handle per worker, like separate jobs
+    results = run_concurrently(n, lambda i: commit_model(git.Repo(repo_dir), "crm.churn", srcs[i],
+                                                         message=f"worker {i}", code_commit=code))
     assert len(set(results.values())) == n
     chain = gs(repo_dir, "rev-list", "--first-parent", REF).split()
     if with_code:

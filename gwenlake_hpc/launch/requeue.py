@@ -5,8 +5,9 @@ nor when the job step is killed without warning (SIGKILL, out of memory); this m
 never a preemption: whether an eviction was a time limit is decided from the job's real remaining time as
 SLURM reports it, not from which signal arrived (some clusters send ``--signal`` on preemption too).
 
-The batch shell itself receives SIGTERM on preemption and scancel and dies with its step, so this code only
-runs when the step ended while the job was still alive.
+The batch shell ignores SIGTERM (so that srun does not SIGKILL the step), so this code also runs after a
+preemption or a scancel. It then finds the job no longer RUNNING (COMPLETING, CANCELLED, PREEMPTED...): SLURM is
+ending the job itself and nothing is requeued here, whatever the remaining time.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def parse_slurm_time(text: str) -> int | None:
     return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
-def decide(rc: int, restarts: int, max_retries: int, remaining_s: int | None, signal_delay_s: int) -> Decision:
+def decide(rc: int, restarts: int, max_retries: int, remaining_s: int | None, signal_delay_s: int,
+           state: str | None = None) -> Decision:
     """What to do after the job step ended with status ``rc``.
 
     Args:
@@ -59,9 +61,14 @@ def decide(rc: int, restarts: int, max_retries: int, remaining_s: int | None, si
         max_retries: the launcher's ``max_retries``.
         remaining_s: the job's remaining time from ``squeue -o %L``, None if unknown or unlimited.
         signal_delay_s: the ``--signal`` lead time.
+        state: the job's state from ``squeue -o %T`` (None if unknown): anything but RUNNING means SLURM is
+            ending the job (scancel, preemption, the time limit itself) and decides about it.
     """
     if rc == 0:
         return Decision("done", "the training finished")
+    if state and state != "RUNNING":
+        return Decision("leave", f"the job is {state}: SLURM is ending it (scancel, preemption or time limit) "
+                                 "and decides; no requeue from here")
     if rc == EXIT_EVICTED:
         if remaining_s is not None and remaining_s <= signal_delay_s + TIME_LIMIT_SLACK_S:
             if restarts < max_retries:
@@ -84,14 +91,20 @@ def slurm_job_ref() -> str:
     return os.environ["SLURM_JOB_ID"]
 
 
-def remaining_seconds(job_ref: str) -> int | None:
-    """The job's remaining time as SLURM reports it (``squeue -h -j REF -o %L``)."""
+def job_state(job_ref: str) -> tuple[str | None, int | None]:
+    """The job's state and remaining seconds as SLURM reports them (``squeue -h -j REF -o "%T %L"``).
+
+    ``(None, None)`` when squeue does not answer or no longer lists the job.
+    """
     try:
-        out = subprocess.run(["squeue", "-h", "-j", job_ref, "-o", "%L"], capture_output=True, text=True,
+        out = subprocess.run(["squeue", "-h", "-j", job_ref, "-o", "%T %L"], capture_output=True, text=True,
                              timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return None
-    return parse_slurm_time(out.splitlines()[0]) if out.strip() else None
+        return None, None
+    fields = out.split()
+    if len(fields) < 2:
+        return None, None
+    return fields[0], parse_slurm_time(fields[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     ref = slurm_job_ref()
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    remaining = remaining_seconds(ref) if a.rc == EXIT_EVICTED else None
-    d = decide(a.rc, restarts, a.max_retries, remaining, a.signal_delay)
+    state, remaining = job_state(ref) if a.rc != 0 else (None, None)
+    d = decide(a.rc, restarts, a.max_retries, remaining, a.signal_delay, state)
     log.info("job %s step ended with status %d: %s", ref, a.rc, d.reason)
     if d.action == "requeue":
         proc = subprocess.run(["scontrol", "requeue", ref], capture_output=True, text=True)

@@ -242,7 +242,8 @@ class SshConnection:
                 f"cluster {t.name}: the host key of {host}:{port} CHANGED: {t.known_hosts} has "
                 f"{fingerprint(exc.expected_key)}, the server offered {fingerprint(exc.key)}. This can be an attack "
                 f"(someone between you and the cluster); if the administrators confirm the new key, remove the old "
-                f"line with: ssh-keygen -f {shlex.quote(t.known_hosts)} -R '[{host}]:{port}'") from exc
+                f"line with: ssh-keygen -f {shlex.quote(t.known_hosts)} -R "
+                f"{shlex.quote(host if port == 22 else f'[{host}]:{port}')}") from exc
         except paramiko.PasswordRequiredException as exc:
             client.close()
             raise ConfigError(f"cluster.key_file={t.key_file} ({t.name}) is encrypted: load it into the SSH agent "

@@ -7,6 +7,7 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_PAUSE=k:reached:go at step k, create file `reached` and wait for file `go` (may repeat, ';'-separated)
   GWL_TEST_SLEEP=s            sleep s seconds per step
   GWL_TEST_BAD=escape|column|raise  misuse the API on purpose, or raise at step 5
+  GWL_TEST_NOTE=1             write output.path / "note.txt" directly (not through output.file)
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def fit(data, output, run, config: Params):
     if os.environ.get("GWL_TEST_BAD") == "escape":
         output.file("../escaped.txt").write_text("must not happen")
     save_state(output.file("model.safetensors"), model=model)
+    if os.environ.get("GWL_TEST_NOTE"):
+        (output.path / "note.txt").write_text(f"rank {run.rank} of {run.world_size}\n")
     model.eval()
     with torch.no_grad():
         full = data.read(["x", "y"])
@@ -133,3 +136,7 @@ def fit_loader(data, output, run, config: Params):
         return None
     save_state(output.file("model.safetensors"), model=model)
     return {"final_loss": loss.item()}
+
+
+#: The same training set by epochs (3 epochs over the batches) instead of steps.
+fit_epochs = train(data=Input("t.rows"), output=Output("t.model"), epochs=3, eval_every=4)(fit.fn)
