@@ -36,7 +36,7 @@ from .distributed import Dist
 from .distributed import setup as setup_distributed
 from .distributed import teardown as teardown_distributed
 from .run import Run, seed_everything
-from .signals import StopRequest
+from .signals import StopRequest, shield_children
 from .tracking import NullTracker, Tracker, default_uri, flatten, is_sqlite, state_dir_for, validate_uri
 from .registry import after_commit, serving_info
 from .versioning import code_state, commit_model, default_model_repo, export_version, list_versions, open_model_repo
@@ -468,7 +468,8 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
             log.error("the training function raised at step %d:\n%s", run.step, traceback.format_exc())
             tracker.finish("FAILED", timeout_s=finish_timeout)
             return JobResult(EXIT_FAILED, None, run_dir, run.step)
-        return _finish(p, run, result, tracker, info, info_path, code, tracking_on, finish_timeout, stop)
+        with shield_children():  # git, the registry: SLURM's signals must not kill the children of the commit
+            return _finish(p, run, result, tracker, info, info_path, code, tracking_on, finish_timeout, stop)
     finally:
         if installed:
             stop.uninstall()

@@ -7,10 +7,12 @@ exception inside a step. A second Ctrl-C raises KeyboardInterrupt, for a person 
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
 from types import FrameType
+from typing import Iterator
 
 #: Signals that ask a training to stop at the next step boundary.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
@@ -82,3 +84,22 @@ class StopRequest:
 
     def __exit__(self, *exc: object) -> None:
         self.uninstall()
+
+
+@contextlib.contextmanager
+def shield_children(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[None]:
+    """Block the stop signals in this thread while the block runs; processes it starts inherit them blocked.
+
+    SLURM sends the time-limit warning (SIGUSR2) and SIGTERM to every process of the job step. A ``git``
+    child of the final commit would die from them ("git write-tree failed (exit -12)") and fail a training
+    that had finished. A blocked signal stays pending in such a child, which ends normally; in this process
+    the handlers still record it (at the latest when the block ends), so nothing is lost.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(signals))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

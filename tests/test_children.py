@@ -50,3 +50,24 @@ def test_workers_survive_the_group_signal_and_do_not_outlive_the_job(project, tm
 
     again = project.run("+job=t", "job.target=trainer.py:fit_loader", check=0)
     assert "resuming from step 24" in again.stdout + again.stderr
+
+
+def test_children_started_while_shielded_survive_the_stop_signals():
+    """The final commit's git processes: SLURM's SIGUSR2/SIGTERM to the whole step must not kill them."""
+    from gwenlake_hpc.signals import StopRequest, shield_children
+
+    stop = StopRequest()
+    with stop:
+        with shield_children():
+            child = subprocess.Popen(["sleep", "1"])
+            time.sleep(0.2)
+            for sig in (signal.SIGUSR2, signal.SIGTERM):
+                os.kill(child.pid, sig)
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert child.wait(timeout=10) == 0  # would be -12 (killed by SIGUSR2) unshielded
+        time.sleep(0.1)
+        assert stop.requested and stop.reason == "SIGUSR2"  # this process still recorded it
+    unshielded = subprocess.Popen(["sleep", "1"])
+    time.sleep(0.2)
+    os.kill(unshielded.pid, signal.SIGUSR2)
+    assert unshielded.wait(timeout=10) == -signal.SIGUSR2
