@@ -130,10 +130,23 @@ def setup(timeout_s: float | None = None) -> Dist:
     return Dist(rank=rank, world_size=world, local_rank=local, backend=backend, _control=control)
 
 
-def teardown(d: Dist) -> None:
-    """Leave the process group (after the last collective)."""
-    if d.enabled:
-        import torch.distributed as dist
+def teardown(d: Dist, ok: bool = True) -> None:
+    """Leave the process group.
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    ``ok`` (every rank ended the same way: done or evicted): wait for all ranks first, so no rank tears its
+    side down while another still completes the last collective (a gloo rank leaving early could abort with
+    "terminate called without an active exception"), then destroy the group. After a failure nothing is
+    destroyed: the other ranks may be blocked in a collective, and destroying would wait for them; this
+    process's exit closes its connections, and theirs fail at once.
+    """
+    if not d.enabled:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or not ok:
+        return
+    try:
+        d.barrier()
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - leaving anyway; the result is already decided
+        log.warning("leaving the process group: %s", exc)

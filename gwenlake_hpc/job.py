@@ -305,10 +305,13 @@ def _resolve_version(repo_path: Path | None, b: Model) -> str:
 
 def _execute(cfg: Any, stop: StopRequest) -> JobResult:
     d = setup_distributed()  # a single process unless SLURM (or torchrun) started several tasks
+    ok = False
     try:
-        return _execute_rank(cfg, stop, d)
+        result = _execute_rank(cfg, stop, d)
+        ok = result.exit_code in (0, EXIT_EVICTED)
+        return result
     finally:
-        teardown_distributed(d)
+        teardown_distributed(d, ok=ok)
 
 
 def _execute_rank(cfg: Any, stop: StopRequest, d: Dist) -> JobResult:
