@@ -233,7 +233,9 @@ def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
     resume = job.get("resume", "auto")
     params_cfg = OmegaConf.to_container(job.params, resolve=True) if job.get("params") is not None else {}
     config_obj, params = resolve_params(tf, params_cfg)
-    seed = int(_setting(job, d, "seed"))
+    seed = _setting(job, d, "seed")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ConfigError(f"job.seed={seed!r}: must be an integer >= 0")
     run_name = job.get("model") or tf.run_name
 
     paths = cfg.paths
@@ -260,7 +262,7 @@ def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
         elif isinstance(b, Model):
             model_versions[name] = f"{b.name}@{_resolve_version(repo_path, b)}"
 
-    steps, epochs, eval_every = _setting(job, d, "steps"), _setting(job, d, "epochs"), _setting(job, d, "eval_every")
+    steps, epochs, eval_every = _length(job, d) + (_setting(job, d, "eval_every"),)
     _check_settings(cfg, steps, epochs, eval_every)
     key = make_run_key(tf.output.name, run_name, params, seed, datasets, model_versions)
     return JobPlan(cfg=cfg, tf=tf, steps=steps, epochs=epochs, eval_every=eval_every, seed=seed, run_name=run_name,
@@ -268,6 +270,20 @@ def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
                    tracking_uri=tracking_uri, runs_root=runs_root, repo_path=repo_path, inputs=inputs,
                    datasets=datasets, dataset_facts=dataset_facts, model_versions=model_versions, key=key,
                    run_dir=runs_root / tf.output.name / key)
+
+
+def _length(job: Any, defaults: Mapping[str, Any]) -> tuple[Any, Any]:
+    """``(steps, epochs)``: the command line / job config over the decorator, one of the two at most.
+
+    ``job.epochs`` given in the config replaces a ``steps`` that only comes from the decorator (and the other
+    way round); both given in the config is refused rather than one silently ignored.
+    """
+    steps, epochs = job.get("steps"), job.get("epochs")
+    if steps is not None and epochs is not None:
+        raise ConfigError(f"job.steps={steps} and job.epochs={epochs} are both set: keep one (e.g. job.steps=null)")
+    if steps is not None or epochs is not None:
+        return steps, epochs
+    return defaults.get("steps"), defaults.get("epochs")
 
 
 def _check_settings(cfg: Any, steps: Any, epochs: Any, eval_every: Any) -> None:

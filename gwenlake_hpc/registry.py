@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .errors import ConfigError, GwenlakeError
-from .versioning import (ALIAS_REF_PREFIX, MODEL_TRAILER, _as_repo, _base_env, _git, _git_dir, _identity_env,
+from .versioning import (ALIAS_REF_PREFIX, MODEL_TRAILER, Plumbing, _as_repo, _git_dir, _identity_env,
                          _read_blobs, _rev, _rev_any, _strip_trailers, default_model_repo, export_version,
                          list_versions, model_branch, open_model_repo, read_file)
 
@@ -75,17 +75,9 @@ def _repo(repo: Any) -> Any:
     return _as_repo(repo)
 
 
-class _Git:
-    """git plumbing on the model repository through a private temp dir (no user work tree or index)."""
-
-    def __init__(self, repo: Any, tmp: Path):
-        self.repo = _repo(repo)
-        self.tmp = tmp
-        self.env = _base_env(_git_dir(self.repo), tmp, tmp / "index")
-
-    def run(self, command: str, *args: str, env: Mapping[str, str] | None = None,
-            **kw: Any) -> tuple[int, bytes, str]:
-        return _git(self.tmp, env or self.env, command, *args, **kw)
+def _plumbing(repo: Any, tmp: Path) -> Plumbing:
+    """git plumbing on the model repository (None: the default one around the working directory)."""
+    return Plumbing(_repo(repo), tmp)
 
 
 # --- aliases (git) ---------------------------------------------------------------------------------------------
@@ -95,7 +87,7 @@ def _alias_ref(model_name: str) -> str:
     return ALIAS_REF_PREFIX + model_name
 
 
-def _read_log(g: _Git, model_name: str) -> tuple[str | None, list[dict]]:
+def _read_log(g: Plumbing, model_name: str) -> tuple[str | None, list[dict]]:
     ref = _alias_ref(model_name)
     tip = _rev_any(g.tmp, g.env, ref)
     if tip is None:
@@ -112,7 +104,7 @@ def alias_history(model_name: str, repo: Any = None) -> list[dict]:
     ``refs/gwenlake/aliases/<model>`` of the model repository. [] when no alias was ever set.
     """
     with tempfile.TemporaryDirectory(prefix="gwenlake-alias-") as tmp:
-        return _read_log(_Git(repo, Path(tmp)), model_name)[1]
+        return _read_log(_plumbing(repo, Path(tmp)), model_name)[1]
 
 
 def current_aliases(model_name: str, repo: Any = None) -> dict[str, str]:
@@ -123,7 +115,7 @@ def current_aliases(model_name: str, repo: Any = None) -> dict[str, str]:
     return out
 
 
-def _version_sha(g: _Git, model_name: str, version: str) -> str:
+def _version_sha(g: Plumbing, model_name: str, version: str) -> str:
     """Full SHA of ``version`` (hex, possibly short), checked to be a version of ``model_name``."""
     if not isinstance(version, str) or not _HEX.match(version):
         raise ConfigError(f"version {version!r} of {model_name}: give a commit SHA (hexadecimal), as "
@@ -170,7 +162,7 @@ def move_alias(model_name: str, alias: str, version: str, *, repo: Any = None, a
     _check_alias(alias)
     with tempfile.TemporaryDirectory(prefix="gwenlake-alias-") as tmpdir:
         tmp = Path(tmpdir)
-        g = _Git(repo, tmp)
+        g = _plumbing(repo, tmp)
         sha = _version_sha(g, model_name, version)
         env = dict(g.env, **_identity_env(tmp, g.env))
         ref = _alias_ref(model_name)
@@ -269,7 +261,7 @@ def resolve_version(model_name: str, version: str | None = None, alias: str | No
     if alias is not None:
         return resolve_alias(model_name, alias, repo)
     with tempfile.TemporaryDirectory(prefix="gwenlake-alias-") as tmp:
-        g = _Git(repo, Path(tmp))
+        g = _plumbing(repo, Path(tmp))
         if version is None or version == "latest":
             versions = list_versions(g.repo, model_name)
             if not versions:
@@ -465,8 +457,10 @@ def register_version(tracking_uri: str, model_name: str, version: str, run_id: s
                      tags: Mapping[str, str] | None = None, extra_files: Mapping[str, bytes] | None = None) -> str:
     """Register ``version`` as a model version of the MLflow registered model ``model_name``.
 
-    The files of ``model_dir`` are logged as artifacts of the tracking run ``run_id`` under ``model/``, and
-    the model version's source is ``runs:/<run_id>/model`` (a tracking server refuses local paths as
+    The files of ``model_dir`` are logged as artifacts of the tracking run ``run_id`` under
+    ``model/<version>/`` (one folder a version: a run extended later registers another version without
+    touching this one's files), and the model version's source is ``runs:/<run_id>/model/<version>`` (a
+    tracking server refuses local paths as
     sources); ``extra_files`` (name -> bytes, e.g. metrics.json and lineage.json) join them there. Tags: ``gwenlake.version`` (the commit SHA) plus ``tags`` (code commit, dataset revisions).
     Idempotent: a version already registered is returned as is. Returns the model version number (str).
 
@@ -486,13 +480,14 @@ def register_version(tracking_uri: str, model_name: str, version: str, run_id: s
                                            f"versions are commits of branch {model_branch(model_name)}")
     if existing is not None:
         return str(existing.version)
-    client.log_artifacts(run_id, str(model_dir), "model")
+    artifact_path = f"model/{version}"
+    client.log_artifacts(run_id, str(model_dir), artifact_path)
     if extra_files:
         with tempfile.TemporaryDirectory(prefix="gwenlake-register-") as tmp:
             for rel, data in extra_files.items():
                 (Path(tmp) / rel).write_bytes(data)
-            client.log_artifacts(run_id, tmp, "model")
-    mv = client.create_model_version(model_name, f"runs:/{run_id}/model", run_id=run_id,
+            client.log_artifacts(run_id, tmp, artifact_path)
+    mv = client.create_model_version(model_name, f"runs:/{run_id}/{artifact_path}", run_id=run_id,
                                      tags={"gwenlake.version": version, **dict(tags or {})},
                                      description=f"git commit {version}")
     log.info("registered %s version %s as MLflow model version %s", model_name, version[:12], mv.version)

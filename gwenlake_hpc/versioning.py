@@ -24,7 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Union
+from typing import Any, Mapping, Union
 
 import git
 
@@ -780,19 +780,30 @@ def _strip_trailers(message: str) -> tuple[str, dict[str, str]]:
     return (text[:cut] if cut >= 0 else ""), trailers
 
 
-class _Reader:
-    """Read-only access to one model's versions through a private temp index."""
+class Plumbing:
+    """git plumbing on a model repository through a private temp dir (never the user's work tree or index).
 
-    def __init__(self, repo: git.Repo | PathLike, model_name: str, tmp: Path):
-        self.model_name = model_name
-        self.prefix = model_prefix(model_name)
-        self.ref = "refs/heads/" + model_branch(model_name)
+    ``run(command, *args)`` returns ``(status, stdout bytes, stderr text)``; see :func:`_git` for the options.
+    """
+
+    def __init__(self, repo: git.Repo | PathLike, tmp: Path):
         self.repo = _as_repo(repo)
         self.tmp = tmp
         self.env = _base_env(_git_dir(self.repo), tmp, tmp / "index")
 
-    def run(self, command: str, *args: str, **kwargs) -> tuple[int, bytes, str]:
-        return _git(self.tmp, self.env, command, *args, **kwargs)
+    def run(self, command: str, *args: str, env: Mapping[str, str] | None = None,
+            **kwargs: Any) -> tuple[int, bytes, str]:
+        return _git(self.tmp, env or self.env, command, *args, **kwargs)
+
+
+class _Reader(Plumbing):
+    """Read-only access to one model's versions through a private temp index."""
+
+    def __init__(self, repo: git.Repo | PathLike, model_name: str, tmp: Path):
+        super().__init__(repo, tmp)
+        self.model_name = model_name
+        self.prefix = model_prefix(model_name)
+        self.ref = "refs/heads/" + model_branch(model_name)
 
     def resolve(self, version: str) -> str:
         if version == "latest":

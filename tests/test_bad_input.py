@@ -42,6 +42,8 @@ def trained(project):
     (["+job=t", "job.steps=-5"], "job.steps"),
     (["+job=t", "job.eval_every=0"], "job.eval_every"),
     (["+job=t", "launcher.progress=banana"], "launcher.progress"),
+    (["+job=t", "job.seed=-1"], "job.seed"),  # refused before a run directory is made for that seed
+    (["+job=t", "job.steps=10", "job.epochs=2"], "both set"),  # never one of the two silently ignored
 ])
 def test_config_errors_exit_2_and_delete_nothing(trained, args, needle):
     before = snapshot(trained.root)

@@ -34,13 +34,13 @@ def test_training_registers_a_model_version_with_run_artifacts_and_candidate_ali
     mv = next(v for v in versions if v.tags.get("gwenlake.version") == sha)
     lineage = json.loads(scorer.git("show", f"{sha}:t/scorer/lineage.json"))
     run_id = lineage["tracking"]["run_id"]
-    assert mv.source == f"runs:/{run_id}/model" and mv.run_id == run_id
+    assert mv.source == f"runs:/{run_id}/model/{sha}" and mv.run_id == run_id
     revision = Catalog(scorer.root / "data").open("t.cls-train").revision
     assert mv.tags["gwenlake.dataset.data"] == f"t.cls-train@{revision}"
     assert mv.tags["gwenlake.code_commit"] == scorer.git("rev-parse", "main")
-    assert sorted(a.path for a in client.list_artifacts(run_id, "model")) == [
-        "model/lineage.json", "model/metrics.json", "model/w.npy"]
-    local = client.download_artifacts(run_id, "model/w.npy", str(scorer.root / "runs"))
+    assert sorted(a.path for a in client.list_artifacts(run_id, f"model/{sha}")) == [
+        f"model/{sha}/lineage.json", f"model/{sha}/metrics.json", f"model/{sha}/w.npy"]
+    local = client.download_artifacts(run_id, f"model/{sha}/w.npy", str(scorer.root / "runs"))
     np.testing.assert_array_equal(np.load(local), np.load(load_model("t.scorer", sha, repo=scorer.root).path / "w.npy"))
     assert client.get_model_version_by_alias("t.scorer", "candidate").version == mv.version
     assert current_aliases("t.scorer", scorer.root) == {"candidate": sha}

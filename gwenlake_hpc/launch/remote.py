@@ -42,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..errors import EXIT_USAGE, ConfigError, GwenlakeError
 from .slurm import JOBS_INDEX, check_secrets, sbatch_parameters, setup_lines, teardown_lines
+from .status import JobHandle
 from .ssh import RemoteCommandError, SshConnection, SshTarget, connection
 
 log = logging.getLogger("gwenlake_hpc.launch.remote")
@@ -579,8 +580,8 @@ def wait_remote(record: dict, timeout_s: float | None = None, poll_s: float = 2.
         time.sleep(poll_s)
 
 
-class RemoteJobHandle:
-    """A job submitted over SSH, from Python: the same members as :class:`gwenlake_hpc.launch.status.JobHandle`.
+class RemoteJobHandle(JobHandle):
+    """A job submitted over SSH, from Python: :class:`gwenlake_hpc.launch.status.JobHandle` through SSH.
 
     Attributes:
         job_id: SLURM job id on the cluster.
@@ -589,9 +590,8 @@ class RemoteJobHandle:
     """
 
     def __init__(self, record: dict):
+        super().__init__(record["job_id"], Path(record["run_dir"]))
         self.record = record
-        self.job_id = record["job_id"]
-        self.run_dir = Path(record["run_dir"])
 
     @property
     def run_id(self) -> str | None:
@@ -602,21 +602,11 @@ class RemoteJobHandle:
         """Current JobStatus."""
         return remote_job_status(self.record)
 
-    def wait(self, timeout: float | None = None) -> Any:
-        """Block until the job ends.
+    def _wait(self, timeout: float | None) -> Any:
+        return wait_remote(self.record, timeout)
 
-        Raises:
-            TimeoutError: not ended within ``timeout`` seconds.
-            GwenlakeError: it ended in another state than COMPLETED.
-        """
-        final = wait_remote(self.record, timeout)
-        if not final.state.startswith("COMPLETED"):
-            raise GwenlakeError(f"job {self.job_id} on {self.record['cluster']} ended {final.state}; see its log")
-        return final
-
-    def latest_checkpoint(self) -> Path | None:
-        """Remote directory of the newest complete checkpoint."""
-        return self.status().checkpoint
+    def _label(self) -> str:
+        return f"job {self.job_id} on {self.record['cluster']}"
 
     def cancel(self) -> None:
         """scancel the job (checkpoints kept)."""

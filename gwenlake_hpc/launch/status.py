@@ -198,10 +198,16 @@ class JobHandle:
             TimeoutError: not ended within ``timeout`` seconds.
             GwenlakeError: it ended in another state than COMPLETED (failed, cancelled, timed out).
         """
-        final = wait(self.job_id, self.run_dir, timeout)
+        final = self._wait(timeout)
         if not final.state.startswith("COMPLETED"):
-            raise GwenlakeError(f"job {self.job_id} ended {final.state}; see its log")
+            raise GwenlakeError(f"{self._label()} ended {final.state}; see its log")
         return final
+
+    def _wait(self, timeout: float | None) -> JobStatus:
+        return wait(self.job_id, self.run_dir, timeout)
+
+    def _label(self) -> str:
+        return f"job {self.job_id}"
 
     def latest_checkpoint(self) -> Path | None:
         """Directory of the newest complete checkpoint."""
