@@ -11,7 +11,7 @@ from .device import default_device  # noqa: E402
 from .errors import CheckpointError, ConfigError, DataError, GwenlakeError  # noqa: E402
 from .registry import LoadedModel, load_model  # noqa: E402
 from .run import Run, ShieldedWorkerInit  # noqa: E402
-from .state import load_state, save_state  # noqa: E402
+from .checkpoint.state import load_state, save_state  # noqa: E402
 
 __all__ = ["train", "Input", "Output", "Model", "Run", "TrainFunction", "save_state", "load_state",
            "default_device", "load_model", "LoadedModel", "ShieldedWorkerInit", "ConfigError", "DataError",

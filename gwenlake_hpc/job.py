@@ -31,7 +31,7 @@ from .api import Input, Model, Output, TrainFunction
 from .data import Catalog
 from .errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError
 from .fsutil import read_json, write_json_atomic
-from .checkpoint import CheckpointStore
+from .checkpoint import CheckpointStore, DamagedFileError
 from .distributed import Dist
 from .distributed import setup as setup_distributed
 from .distributed import teardown as teardown_distributed
@@ -458,16 +458,19 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
 
     # Rank r draws from seed + r: dropout and augmentation differ across ranks (DDP copies rank 0's initial
     # parameters to all); the data order comes from the run seed alone, so the shards fit together.
-    seed_everything(seed + d.rank)
     launcher = cfg.get("launcher") or {}
-    try:
-        run = Run(run_dir=run_dir, run_key=key, steps=steps, epochs=epochs, eval_every=eval_every, seed=seed,
-                  tracker=tracker, stop=stop, resume=p.resume, progress=launcher.get("progress", "auto"),
-                  progress_every_s=float(launcher.get("progress_every_s", 30.0)), dist=d)
-    except BaseException:
-        tracker.close()
-        raise
-    kwargs["run"] = run
+
+    def make_run() -> Run:
+        seed_everything(seed + d.rank)
+        try:
+            return Run(run_dir=run_dir, run_key=key, steps=steps, epochs=epochs, eval_every=eval_every, seed=seed,
+                       tracker=tracker, stop=stop, resume=p.resume, progress=launcher.get("progress", "auto"),
+                       progress_every_s=float(launcher.get("progress_every_s", 30.0)), dist=d)
+        except BaseException:
+            tracker.close()
+            raise
+
+    run = make_run()
     if tf.wants_config:
         kwargs["config"] = p.config_obj
 
@@ -475,16 +478,27 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     installed = stop.install()
     try:  # handlers kept through the commit and tracking's finish: a SIGTERM there only sets the flag
         try:
-            result = tf.fn(**kwargs)
+            while True:
+                kwargs["run"] = run
+                try:
+                    result = tf.fn(**kwargs)
+                    run.wait_for_checkpoint()  # a background write that failed fails the job here
+                    break
+                except DamagedFileError as exc:
+                    if not _set_aside_resume_point(run, exc):
+                        raise
+                    run = make_run()  # from the previous intact checkpoint, the function started afresh
         except KeyboardInterrupt:
             log.error("interrupted at step %d; the newest complete checkpoint is kept", run.step)
             tracker.finish("KILLED", timeout_s=min(finish_timeout, 10.0))
             return JobResult(EXIT_INTERRUPTED, None, run_dir, run.step)
         except ConfigError:
+            run.wait_for_checkpoint(raise_error=False)
             tracker.finish("FAILED", timeout_s=finish_timeout)
             raise
         except Exception:
             log.error("the training function raised at step %d:\n%s", run.step, traceback.format_exc())
+            run.wait_for_checkpoint(raise_error=False)  # the checkpoint in flight is still sealed
             tracker.finish("FAILED", timeout_s=finish_timeout)
             return JobResult(EXIT_FAILED, None, run_dir, run.step)
         with shield_children():  # git, the registry: SLURM's signals must not kill the children of the commit
@@ -492,6 +506,28 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     finally:
         if installed:
             stop.uninstall()
+
+
+def _set_aside_resume_point(run: Run, exc: DamagedFileError) -> bool:
+    """A file of the checkpoint the run resumed from failed its digest while ``load_state`` read it.
+
+    Sets that checkpoint aside (as a damaged one found up front is) so the next Run resumes from the previous
+    intact checkpoint. Returns False when the training cannot simply start again: the damaged file is not in
+    the resume checkpoint, the loop already ran, or the run has several tasks (the job then fails; rerun it).
+    """
+    if exc.checkpoint is None or run.resume_path is None or exc.checkpoint.absolute() != run.resume_path.absolute():
+        return False
+    if run.is_main:
+        moved = run.store.set_aside_if_damaged(run.resume_path, str(exc))
+        log.warning("checkpoint %s is damaged (%s); set aside as %s", run.resume_path, exc,
+                    moved.name if moved else "?")
+    if run.dist.enabled:
+        log.error("rerun the job: it resumes from the previous intact checkpoint")
+        return False
+    if run.loop_started:
+        return False
+    log.warning("starting the training function again from the previous intact checkpoint")
+    return True
 
 
 def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any], info_path: Path, code: Any,

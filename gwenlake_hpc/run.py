@@ -1,8 +1,9 @@
 """The Run: a thin owner of the training loop.
 
 It numbers steps, feeds batches, fast-forwards on a resume without reading the skipped data, turns a stop
-request into an ordinary end of loop between two steps, writes atomic checkpoints that carry its own state,
-and forwards metrics to tracking without slowing the loop.
+request into an ordinary end of loop between two steps, writes atomic checkpoints that carry its own state
+(asynchronously by default: the loop waits only for a copy of the state), and forwards metrics to tracking
+without slowing the loop.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from .checkpoint import Checkpoint, CheckpointStore, PendingCheckpoint, rank_state_name
+from .checkpoint import (BackgroundWriter, BufferPool, Checkpoint, CheckpointStore, PendingCheckpoint,
+                         rank_state_name)
 from .distributed import Dist
 from .errors import CheckpointError, ConfigError
 from .progress import Progress
@@ -152,6 +154,8 @@ class Run:
         progress: Progress mode (``auto``, ``bar``, ``lines``, ``off``) and ``progress_every_s``.
         dist: this process's place in a multi-task run (:func:`gwenlake_hpc.distributed.setup`); default
             a single process.
+        checkpoint_async: default of ``run.checkpoint(sync=...)``; None reads ``GWENLAKE_CHECKPOINT_ASYNC``
+            (on unless it is ``0``, ``false``, ``no`` or ``off``).
 
     Attributes read by user code: ``resumed``, ``resume_path``, ``start_step``, ``step``, ``epoch``,
     ``at_eval``, ``stopping``, ``evicted``, ``total_steps``, ``run_dir``, ``seed``, ``rank``, ``world_size``,
@@ -166,7 +170,7 @@ class Run:
 
     def __init__(self, *, run_dir: Path, run_key: str, steps: int | None, epochs: int | None, eval_every: int,
                  seed: int, tracker: Any, stop: StopRequest, resume: str = "auto", progress: str = "auto",
-                 progress_every_s: float = 30.0, dist: Dist | None = None):
+                 progress_every_s: float = 30.0, dist: Dist | None = None, checkpoint_async: bool | None = None):
         if steps is not None and steps < 0:
             raise ConfigError(f"job.steps={steps}: must be >= 0")
         if epochs is not None and epochs < 1:
@@ -220,6 +224,9 @@ class Run:
         self._iterated = False
         self._summary: dict[str, float] = {}
         self._progress: Progress | None = None
+        self.checkpoint_async = async_default() if checkpoint_async is None else bool(checkpoint_async)
+        self._writer = BackgroundWriter()
+        self._buffers = BufferPool()
 
     @property
     def is_main(self) -> bool:
@@ -250,6 +257,11 @@ class Run:
     def resume_path(self) -> Path | None:
         """Directory of the newest complete checkpoint (load your files from it), or None."""
         return self._resumed_from.path if self._resumed_from else None
+
+    @property
+    def loop_started(self) -> bool:
+        """True once :meth:`steps` was iterated."""
+        return self._iterated
 
     @property
     def stop_requested(self) -> bool:
@@ -372,6 +384,7 @@ class Run:
         step = self.start_step
         try:
             while step < total:
+                self._writer.raise_if_failed()  # a failed background write fails the run at the next step
                 # One decision for all ranks (a collective in a multi-task run): a stop request seen by any
                 # rank stops every rank after the same step.
                 final = self.dist.any(self._stop.requested)
@@ -391,6 +404,11 @@ class Run:
                         log.warning("stopped at step %d without a checkpoint of it: write one when run.at_eval "
                                     "is true, or the work since the last checkpoint is redone", step)
                     break
+        except BaseException:
+            self._writer.wait(raise_error=False)  # the checkpoint in flight is still sealed; the error wins
+            raise
+        else:
+            self.wait_for_checkpoint()  # the final (eviction) checkpoint is sealed before the loop ends
         finally:
             self.at_eval = self.stopping = False
             if self._progress is not None:
@@ -420,7 +438,11 @@ class Run:
         self.tracker.log_metrics(values, step)
 
     def summary(self) -> dict[str, float]:
-        """The latest value of every metric logged in this process, plus ``step`` (the last step done)."""
+        """The latest value of every metric logged in this process, plus ``step`` (the last step done).
+
+        Waits for a checkpoint still being written (its metrics are part of the summary).
+        """
+        self.wait_for_checkpoint()
         return {**self._summary, "step": float(self.step)}
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
@@ -440,65 +462,131 @@ class Run:
             "time": time.time(),
         }
 
+    def wait_for_checkpoint(self, raise_error: bool = True) -> Checkpoint | None:
+        """Block until the checkpoint being written in the background (if any) is sealed.
+
+        Called by the Run at the end of the loop (so an evicted run exits only once its final checkpoint is
+        sealed), by :meth:`summary` and by the job before it commits the model.
+
+        Returns:
+            The newest sealed checkpoint of this process (:attr:`latest_checkpoint`), or None.
+
+        Raises:
+            CheckpointError: the background write failed (the message names the path and errno); the
+                previous checkpoint stays the newest usable one. Raised once; not with ``raise_error=False``
+                (logged instead).
+        """
+        self._writer.wait(raise_error)
+        return self.latest_checkpoint
+
     @contextlib.contextmanager
-    def checkpoint(self, keep: int | None = None) -> Iterator[CheckpointWriter]:
+    def checkpoint(self, keep: int | None = None, sync: bool | None = None) -> Iterator[CheckpointWriter]:
         """Write a checkpoint of the current step, atomically.
 
-        Put your files at ``ck.path(name)`` inside the block; set ``ck.metrics`` to attach metrics. When the
-        block ends normally the Run adds its own state, every file is fsynced, a manifest with sha256 sums is
-        written and the directory renamed into place; then all but the newest ``keep`` complete checkpoints of
-        this run are deleted (None keeps all). If the block raises, nothing is kept.
+        Put your files at ``ck.path(name)`` inside the block (``save_state(ck.path("state.safetensors"),
+        ...)``); set ``ck.metrics`` to attach metrics. When the block ends normally the Run adds its own state
+        (step, data position, RNG states), every file is fsynced, a manifest with each file's size and digest
+        is written and the directory renamed into place ("sealed"); then all but the newest ``keep`` complete
+        checkpoints of this run are deleted (None keeps all). If the block raises, nothing is kept.
+
+        Asynchronous (the default, see ``checkpoint_async``): ``save_state`` inside the block only copies the
+        tensors into a reused host buffer, and the block returns at once; a background thread writes, seals
+        and applies ``keep``. The snapshot holds the values of the moment it was taken, so the next step may
+        change the model right away. At most one checkpoint is in flight: the next ``run.checkpoint()`` first
+        waits for the previous one. A checkpoint counts for resume only once sealed; the loop's end (eviction
+        included), :meth:`summary` and the job's commit wait for it. Files written by other means inside the
+        block are written there and then, as in a synchronous checkpoint.
+
+        Args:
+            keep: how many complete checkpoints to keep (None: all).
+            sync: True writes and seals before the block returns; None uses the Run's default.
 
         Raises:
             ConfigError: ``keep`` < 1, or a bad file name.
+            CheckpointError: the previous background write failed (path and errno in the message).
         """
         if keep is not None and int(keep) < 1:
             raise ConfigError(f"run.checkpoint(keep={keep}): keep must be at least 1 (or None to keep all)")
+        asynchronous = self.checkpoint_async if sync is None else not sync
         if self.dist.enabled:
-            with self._checkpoint_multi() as writer:
+            with self._checkpoint_multi(keep, asynchronous) as writer:
                 yield writer
-            if not self.dist.is_main:
-                return
-            ck = self.latest_checkpoint
         else:
-            pending = self.store.begin(self.step)
+            self._writer.wait()  # at most one in flight; raises the previous one's error
+            pending = self.store.begin(self.step, buffers=self._buffers if asynchronous else None)
             writer = CheckpointWriter(pending)
             try:
                 yield writer
+                pending.metrics = {k: float(v) for k, v in writer.metrics.items()}
+                pending.prepare(self.state_dict())
             except BaseException:
                 pending.abort()
                 raise
-            pending.metrics = {k: float(v) for k, v in writer.metrics.items()}
-            ck = pending.commit(self.state_dict())
-            self.latest_checkpoint = ck
+            self._seal(pending, keep, asynchronous)
             self._checkpoint_step = self.step
-        if writer.metrics:
+        if writer.metrics and self.is_main:
             self.log(writer.metrics)
         # Points up to this checkpoint become durable with it: a SIGKILL later loses none of them (the
         # steps after it are replayed on resume). Bounded wait; see Tracker.flush.
         flush = getattr(self.tracker, "flush", None)
-        if flush is not None:
+        if flush is not None and self.is_main:
             flush(timeout_s=5.0)
-        if keep is not None:
-            self.store.retain(int(keep), newest=ck.step)
+
+    def _seal(self, pending: PendingCheckpoint, keep: int | None, asynchronous: bool) -> None:
+        """Seal ``pending`` and apply retention: in the background writer, or here when synchronous."""
+        def job() -> Checkpoint:
+            ck = pending.seal()
+            self.latest_checkpoint = ck
+            if keep is not None:
+                self.store.retain(int(keep), newest=ck.step)
+            return ck
+
+        if asynchronous:
+            step = pending.step
+            previous = self.latest_checkpoint
+
+            def background() -> Checkpoint:
+                try:
+                    return job()
+                except OSError as exc:
+                    raise CheckpointError(
+                        f"the checkpoint of step {step} could not be written: {exc} "
+                        f"(errno {exc.errno}); the newest usable checkpoint is "
+                        f"{previous.path if previous else 'none'}") from exc
+
+            self._writer.submit(background)
+        else:
+            job()
 
     @contextlib.contextmanager
-    def _checkpoint_multi(self) -> Iterator[CheckpointWriter]:
+    def _checkpoint_multi(self, keep: int | None, asynchronous: bool) -> Iterator[CheckpointWriter]:
         """The checkpoint protocol of a multi-task run (every rank enters it at the same step).
 
-        Rank 0 opens the partial directory and tells the others its name; every rank writes its own state
-        (RNG, data position) into it, the user's files of ranks other than 0 go to a discarded scratch
-        folder; once all ranks report success, rank 0 seals it and tells the others whether it is sealed.
-        A failure on any rank aborts the checkpoint on all of them.
+        Rank 0 waits for its previous background seal, opens the partial directory and tells the others its
+        name; every rank writes its own state (RNG, data position) into it, the user's files of ranks other
+        than 0 go to a discarded scratch folder; once all ranks report success, rank 0 seals it (in the
+        background when asynchronous) and tells the others. A failure on any rank aborts the checkpoint on all
+        of them; a failed background seal of rank 0 fails every rank at the next checkpoint.
         """
-        pending = self.store.begin(self.step) if self.dist.is_main else None
+        error: BaseException | None = None
+        pending = None
+        if self.dist.is_main:
+            try:
+                self._writer.wait()
+                pending = self.store.begin(self.step, buffers=self._buffers if asynchronous else None)
+            except BaseException as exc:  # tell the others before raising
+                error = exc
         name = self.dist.broadcast(pending.dir.name if pending else None)
+        if error is not None:
+            raise error
+        if name is None:
+            raise CheckpointError(f"rank {self.rank}: rank 0 could not start the checkpoint of step {self.step} "
+                                  "(its previous checkpoint failed to write; see its log)")
         partial = self.store.root / name
         if pending is None:
             shutil.rmtree(self._scratch, ignore_errors=True)
             pending = PendingCheckpoint(self.store, self.step, scratch=self._scratch)
         writer = CheckpointWriter(pending)
-        error: BaseException | None = None
         try:
             yield writer
             if self.rank:
@@ -520,14 +608,32 @@ class Run:
             else:
                 pending.metrics = {k: float(v) for k, v in writer.metrics.items()}
                 try:
-                    sealed = pending.commit(self.state_dict())
+                    pending.prepare(self.state_dict())
+                    self._seal(pending, keep, asynchronous)
+                    sealed = f"step-{self.step:09d}"
                 except BaseException as exc:
+                    pending.abort()
                     error = exc
-        name = self.dist.broadcast(sealed.path.name if sealed else None)
+        name = self.dist.broadcast(sealed)
         if error is not None:
             raise error
         if name is None:
             raise CheckpointError(f"rank {self.rank}: the checkpoint of step {self.step} was not sealed "
                                   "(another rank failed writing its part; see its log)")
-        self.latest_checkpoint = sealed or self.store.open(name)
+        if not self.dist.is_main and not asynchronous:
+            self.latest_checkpoint = self.store.open(name)
         self._checkpoint_step = self.step
+
+
+def async_default() -> bool:
+    """Whether checkpoints are asynchronous by default: ``GWENLAKE_CHECKPOINT_ASYNC`` (on unless 0/false/no/off).
+
+    Raises:
+        ConfigError: another value.
+    """
+    raw = os.environ.get("GWENLAKE_CHECKPOINT_ASYNC", "1").strip().lower()
+    if raw in ("1", "true", "yes", "on", ""):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"GWENLAKE_CHECKPOINT_ASYNC={raw!r}: use 1 (asynchronous checkpoints, the default) or 0")

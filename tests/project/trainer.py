@@ -8,6 +8,8 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_SLEEP=s            sleep s seconds per step
   GWL_TEST_BAD=escape|column|raise  misuse the API on purpose, or raise at step 5
   GWL_TEST_NOTE=1             write output.path / "note.txt" directly (not through output.file)
+  GWL_TEST_EXTRA_MB=m[:k]     checkpoints carry an extra float32 tensor of m MiB (from step k on), filled with
+                              the step (no RNG drawn, so the training is the same as without it)
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def fit(data, output, run, config: Params):
     kill_at = int(os.environ.get("GWL_TEST_SIGKILL_IN_CKPT", "-1"))
     sleep_s = float(os.environ.get("GWL_TEST_SLEEP", "0"))
     pauses = _pauses()
+    extra_mb, _, extra_from = os.environ.get("GWL_TEST_EXTRA_MB", "0").partition(":")
+    blob = torch.empty(int(float(extra_mb) * 2**20) // 4) if float(extra_mb) else None
     columns = ["x", "y", "nope"] if os.environ.get("GWL_TEST_BAD") == "column" else ["x", "y"]
     for step, batch in run.steps(data.batches(config.batch_size, columns=columns)):
         loss = nn.functional.mse_loss(net(batch["x"]).squeeze(-1), batch["y"])
@@ -71,9 +75,13 @@ def fit(data, output, run, config: Params):
         if sleep_s:
             time.sleep(sleep_s)
         if run.at_eval:
-            with run.checkpoint(keep=3) as ck:
+            # The torn-file hook needs the file on disk inside the block: a synchronous checkpoint.
+            with run.checkpoint(keep=3, sync=step == kill_at) as ck:
                 path = ck.path("state.safetensors")
-                save_state(path, model=model, optimizer=opt)
+                extra = None
+                if blob is not None and step >= int(extra_from or 0):
+                    extra = {"blob": blob.fill_(float(step))}
+                save_state(path, model=model, optimizer=opt, extra=extra)
                 if step == kill_at:
                     # Leave a torn file behind, then die without any chance to clean up.
                     data_bytes = path.read_bytes()

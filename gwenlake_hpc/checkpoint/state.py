@@ -5,6 +5,11 @@ training state is made of: optimizer state dicts (nested, integer keys, Python s
 state, non-string metadata and tensors that share storage (tied weights). ``save_state`` flattens all of that:
 tensors go into the file under their path, everything else into one JSON document in the metadata, with
 dict key types and tuples preserved so ``load_state`` rebuilds the exact same objects.
+
+The file is written in one streamed pass (:mod:`.tensorfile`): no whole-file bytes in memory, hashed on the
+way. Inside ``with run.checkpoint() as ck`` it belongs to the checkpoint: an asynchronous checkpoint only
+takes a snapshot here and writes it in the background. ``load_state`` verifies a checkpoint file's digest
+while it reads it.
 """
 
 from __future__ import annotations
@@ -16,12 +21,13 @@ from typing import Any, Mapping
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save
 
-from .errors import CheckpointError
-from .fsutil import write_atomic
+from ..errors import CheckpointError
+from .store import check_format, manifest_entry, open_checkpoint_of, writer_version
+from .tensorfile import read_tensors, write_tensors
 
 _META_KEY = "gwenlake_state"
+#: Format of the metadata document; a reader refuses a larger one (CheckpointFormatError, exit 2).
 _FORMAT = 1
 
 
@@ -32,7 +38,9 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
 
     Args:
         path: destination file (conventionally ``*.safetensors``). Written to a temporary file beside it,
-            fsynced, then renamed, so a reader never sees half a file.
+            fsynced, then renamed, so a reader never sees half a file. Inside an asynchronous
+            ``run.checkpoint()`` block (the default) the values are copied into a host buffer and the file is
+            written after the block by a background thread; the training may change the model at once.
         model: its ``state_dict()`` is stored; tied (shared) weights are stored once and restored under
             every name.
         optimizer: its ``state_dict()`` (tensors such as ``exp_avg``, plus ``step`` and ``param_groups``).
@@ -40,7 +48,7 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
         extra: further values: tensors, numpy arrays, and JSON-able Python values (int, float, str, bool,
             None, lists, tuples, dicts with str/int keys).
 
-    Tensors are copied to the CPU; dtypes and shapes are kept exactly.
+    Tensors are copied to the CPU one at a time; dtypes and shapes are kept exactly.
 
     Returns:
         The path written.
@@ -61,12 +69,15 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
     tensors: dict[str, torch.Tensor] = {}
     structure = _encode(parts, "", tensors)
     tensors, aliases = _unshare(tensors)
-    meta = {_META_KEY: json.dumps({"format": _FORMAT, "structure": structure, "aliases": aliases})}
+    meta = {_META_KEY: json.dumps({"format": _FORMAT, "writer": writer_version(), "structure": structure,
+                                   "aliases": aliases})}
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Serialise in memory, then one atomic write: a reader never sees half a file.
-    return write_atomic(path, save(tensors, metadata=meta))
+    pending = open_checkpoint_of(path)
+    if pending is not None:
+        return pending.put_tensors(path, tensors, meta)
+    write_tensors(path, tensors, meta)
+    return path
 
 
 def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
@@ -84,24 +95,28 @@ def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
     Returns:
         The ``extra`` mapping as saved (tensors, numpy arrays as tensors, Python values); empty if none.
 
+    A file listed in the manifest of a complete checkpoint is verified while it is read: its size and digest
+    must match, or nothing is restored.
+
     Raises:
+        DamagedFileError (a CheckpointError): a checkpoint file does not match its manifest; the job sets
+            that checkpoint aside and resumes from the previous intact one.
+        CheckpointFormatError: the file or its manifest was written by a newer gwenlake_hpc (exit 2).
         CheckpointError: the file is missing, not a safetensors file, not written by save_state, or lacks a
             part that was asked for (e.g. ``optimizer=`` given but no optimizer saved).
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"state file {path} does not exist")
-    try:
-        tensors = load_file(str(path), device=str(map_location))
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-    except Exception as exc:  # safetensors raises its own error types
-        raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from exc
+    entry = manifest_entry(path)
+    expect = entry[1:] if entry else None
+    tensors, meta = read_tensors(path, expect=expect, checkpoint=entry[0] if entry else None)
+    if str(map_location) != "cpu":
+        tensors = {k: v.to(map_location) for k, v in tensors.items()}
     if _META_KEY not in meta:
         raise CheckpointError(f"{path} was not written by gwenlake_hpc.save_state (no '{_META_KEY}' metadata)")
     doc = json.loads(meta[_META_KEY])
+    check_format(doc.get("format"), _FORMAT, f"state file {path}", doc.get("writer"))
     for name, target in doc.get("aliases", {}).items():
         tensors[name] = tensors[target]
     parts = _decode(doc["structure"], tensors)
@@ -167,34 +182,24 @@ def _decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
 
 def _unshare(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Make every tensor own its storage, as safetensors requires.
+    """Store tensors that share storage once where they are exact aliases.
 
     Exact aliases (same storage, offset, shape, stride and dtype: tied weights) are stored once and recorded
-    as aliases; other tensors that overlap a storage are cloned. Everything is moved to the CPU, contiguous.
+    as aliases. Every other tensor is written from its own bytes (views of one storage each get theirs), on
+    its device: the writer copies it to the host when it writes or snapshots it, never all at once.
     """
     out: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen_views: dict[tuple, str] = {}
-    storages: dict[tuple, int] = {}
     for name, t in tensors.items():
         if t.numel() == 0:
-            out[name] = t.detach().cpu().contiguous()
+            out[name] = t
             continue
-        storage_key = (t.device.type, t.device.index, t.untyped_storage().data_ptr())
-        view_key = storage_key + (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        view_key = (t.device.type, t.device.index, t.untyped_storage().data_ptr(), t.storage_offset(),
+                    tuple(t.shape), tuple(t.stride()), t.dtype)
         if view_key in seen_views:
             aliases[name] = seen_views[view_key]
             continue
         seen_views[view_key] = name
-        storages[storage_key] = storages.get(storage_key, 0) + 1
         out[name] = t
-    for name, t in list(out.items()):
-        if t.numel() == 0:
-            continue
-        shared = storages[(t.device.type, t.device.index, t.untyped_storage().data_ptr())] > 1
-        t = t.detach().cpu()
-        # A clone owns its storage; a CPU tensor that does not share still needs to be contiguous.
-        out[name] = t.clone(memory_format=torch.contiguous_format) if shared or not t.is_contiguous() else t
-        if out[name].untyped_storage().nbytes() != out[name].numel() * out[name].element_size():
-            out[name] = out[name].clone()
     return out, aliases

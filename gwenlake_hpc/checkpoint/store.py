@@ -6,27 +6,39 @@ Layout under ``<run_dir>/checkpoints/``::
     .partial-000002000-<id>/   being written (or left by a killed process); never read as a checkpoint
 
 A checkpoint is written into a ``.partial-*`` directory beside its final place, every file and the directory
-are fsynced, ``MANIFEST.json`` (each file's size and sha256, the run key and the step) is written and fsynced
-last, then the directory is renamed into place and the parent fsynced. A kill at any point leaves either the
-old set of complete checkpoints or the old set plus the new one; nothing is ever overwritten in place.
+are fsynced, ``MANIFEST.json`` (each file's size and digest, the run key and the step) is written and fsynced
+last, then the directory is renamed into place and the parent fsynced ("sealed"). A kill at any point leaves
+either the old set of complete checkpoints or the old set plus the new one; nothing is overwritten in place.
+
+Files that :func:`~gwenlake_hpc.checkpoint.state.save_state` writes into an open checkpoint are hashed while
+they are written (the seal never re-reads them) and marked ``"verify": "on_load"``: a resume checks their
+size up front and their digest while ``load_state`` reads them. Every other file is hashed when the checkpoint
+is sealed and verified in full before a resume. In an asynchronous checkpoint ``save_state`` only takes a
+snapshot (:class:`~gwenlake_hpc.checkpoint.tensorfile.Snapshot`); :meth:`PendingCheckpoint.seal` writes it.
+
+Manifest format 2 (this version) records ``digest`` (the algorithm, XXH3-128) and per file ``size`` and
+``digest``; format 1 manifests (sha256) still load. A manifest or state file of a newer format is refused with
+:class:`CheckpointFormatError` (exit 2) instead of being misread.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import CheckpointError, ConfigError
-from .fsutil import fsync_dir
+from ..errors import CheckpointError, ConfigError
+from ..fsutil import fsync_dir
+from .digest import DEFAULT_ALGORITHM, entry_digest, file_digest
+from .tensorfile import DamagedFileError, HostBuffer, Snapshot, write_tensors
 
 log = logging.getLogger("gwenlake_hpc.checkpoint")
 
@@ -35,7 +47,8 @@ PARTIAL_MARK = ".gwenlake-partial"
 RUN_STATE = "gwenlake-run-state.json"
 #: Per-rank state of a multi-task run (RNG, data position): ``gwenlake-ranks/rank-00001.json``.
 RANKS_DIR = "gwenlake-ranks"
-FORMAT = 1
+#: Manifest format written by this version; a reader refuses a larger one.
+FORMAT = 2
 _COMPLETE_RE = re.compile(r"^step-(\d{9,})$")
 _PARTIAL_RE = re.compile(r"^\.partial-(\d{9,})-[0-9a-f]{12}$")
 
@@ -84,21 +97,90 @@ def _fsync_path(path: Path, directory: bool = False) -> None:
         os.fsync(fh.fileno())
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+class CheckpointFormatError(ConfigError):
+    """A manifest or state file was written by a newer gwenlake_hpc, in a format this version cannot read.
+
+    A requeued job pinned to an older commit can meet a checkpoint written by a newer one; it stops with exit
+    2 and names the writer instead of loading it wrongly.
+    """
+
+
+def writer_version() -> str:
+    """``gwenlake_hpc <version>``, recorded in manifests and state files."""
+    try:
+        from importlib.metadata import version
+
+        return f"gwenlake_hpc {version('gwenlake_hpc')}"
+    except Exception:  # not installed as a distribution (a bare checkout on PYTHONPATH)
+        return "gwenlake_hpc (unknown version)"
+
+
+def check_format(found: Any, known: int, what: str, writer: Any) -> None:
+    """Refuse ``found`` > ``known`` with a :class:`CheckpointFormatError` naming ``what`` and its ``writer``."""
+    if isinstance(found, int) and found > known:
+        raise CheckpointFormatError(
+            f"{what} has format {found}, written by {writer or 'a newer gwenlake_hpc'}; this {writer_version()} "
+            f"reads formats up to {known}: run the job with the gwenlake_hpc version that wrote it or a newer one "
+            "(update the commit the job is pinned to)")
+
+
+# --- open checkpoints: where save_state finds the checkpoint a path belongs to ----------------------------------
+_OPEN: dict[Path, "PendingCheckpoint"] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+def open_checkpoint_of(path: str | os.PathLike) -> "PendingCheckpoint | None":
+    """The checkpoint being written whose directory holds ``path`` (inside a ``with run.checkpoint()``), or None."""
+    if not _OPEN:
+        return None
+    p = Path(path).absolute()
+    with _OPEN_LOCK:
+        for parent in p.parents:
+            if parent in _OPEN:
+                return _OPEN[parent]
+    return None
+
+
+class BufferPool:
+    """Host buffers reused by the snapshots of successive asynchronous checkpoints (one per state file)."""
+
+    def __init__(self) -> None:
+        self.buffers: list[HostBuffer] = []
+        self._next = 0
+
+    def reset(self) -> None:
+        """A new checkpoint starts: its snapshots reuse the buffers in order."""
+        self._next = 0
+
+    def take(self) -> HostBuffer:
+        if self._next == len(self.buffers):
+            self.buffers.append(HostBuffer())
+        self._next += 1
+        return self.buffers[self._next - 1]
 
 
 class PendingCheckpoint:
-    """A checkpoint being written: files go into :attr:`dir`, :meth:`commit` makes it complete."""
+    """A checkpoint being written: files go into :attr:`dir`; :meth:`commit` (or :meth:`prepare` then
+    :meth:`seal`) makes it complete.
 
-    def __init__(self, store: "CheckpointStore", step: int, scratch: Path | None = None):
+    Args:
+        store: the run's store.
+        step: steps completed.
+        scratch: a folder of a rank other than 0 of a multi-task run: files go there and are never sealed.
+        buffers: a :class:`BufferPool` to make it asynchronous: ``save_state`` into it only takes a snapshot,
+            and :meth:`seal` writes the snapshots.
+    """
+
+    def __init__(self, store: "CheckpointStore", step: int, scratch: Path | None = None,
+                 buffers: BufferPool | None = None):
         self.store = store
         self.step = step
         self.metrics: dict[str, float] = {}
+        #: rel path -> manifest entry of files hashed while written (save_state)
+        self._recorded: dict[str, dict[str, Any]] = {}
+        self._snapshots: list[tuple[Path, Snapshot]] = []
+        self._buffers = buffers
+        self._registered: Path | None = None
         if scratch is not None:  # a rank other than 0: files go to a folder that is never sealed
             self.dir = Path(scratch)
             return
@@ -106,6 +188,16 @@ class PendingCheckpoint:
         self.dir.mkdir(parents=True)
         # The mark proves to a later cleanup that this directory is a partial checkpoint of this run.
         (self.dir / PARTIAL_MARK).write_text(json.dumps({"run_key": store.run_key, "pid": os.getpid()}))
+        if buffers is not None:
+            buffers.reset()
+        self._registered = self.dir.absolute()
+        with _OPEN_LOCK:
+            _OPEN[self._registered] = self
+
+    @property
+    def asynchronous(self) -> bool:
+        """True when ``save_state`` into it takes a snapshot that :meth:`seal` writes later."""
+        return self._buffers is not None
 
     def path(self, name: str) -> Path:
         """Path of file ``name`` inside the checkpoint (sub-folders allowed, created on demand).
@@ -122,14 +214,57 @@ class PendingCheckpoint:
         target.parent.mkdir(parents=True, exist_ok=True)
         return target
 
-    def commit(self, run_state: Mapping[str, Any]) -> Checkpoint:
-        """Seal the checkpoint: write the Run's state and the manifest, fsync, rename into place.
+    def put_tensors(self, path: Path, tensors: Mapping[str, Any], metadata: Mapping[str, str]) -> Path:
+        """Store a safetensors file at ``path`` inside the checkpoint (what ``save_state`` calls).
+
+        Asynchronous: copies the tensors into a reused host buffer and returns; :meth:`seal` writes them.
+        Otherwise: streams the file now, hashed on the way. Either way the seal does not re-read it.
+        """
+        rel = Path(path).absolute().relative_to(self.dir.absolute()).as_posix()
+        if self._buffers is not None:
+            self._snapshots = [(p, s) for p, s in self._snapshots if p != Path(path)]
+            self._snapshots.append((Path(path), Snapshot(tensors, metadata, self._buffers.take())))
+            self._recorded.pop(rel, None)
+            return Path(path)
+        size, digest = write_tensors(path, tensors, metadata)
+        self._recorded[rel] = {"size": size, "digest": digest, "verify": "on_load"}
+        return Path(path)
+
+    def _unregister(self) -> None:
+        if self._registered is not None:
+            with _OPEN_LOCK:
+                _OPEN.pop(self._registered, None)
+            self._registered = None
+
+    def prepare(self, run_state: Mapping[str, Any]) -> None:
+        """End of the ``with`` block: write the Run's state; later ``save_state`` calls no longer land here."""
+        self._unregister()
+        with open(self.dir / RUN_STATE, "w") as fh:
+            json.dump(run_state, fh, sort_keys=True)
+
+    def seal(self) -> Checkpoint:
+        """Write the snapshots, hash and fsync the other files, write the manifest, rename into place.
+
+        Runs in the background writer thread of an asynchronous checkpoint, in the caller's otherwise.
+        On failure the partial directory is removed and the error raised; older checkpoints are untouched.
 
         Raises:
             CheckpointError: a checkpoint for this step already exists (it is left untouched), or the
                 directory contains something that is not a regular file.
+            OSError: a write failed (disk full, quota, permissions); its message names the path.
         """
-        (self.dir / RUN_STATE).write_text(json.dumps(run_state, sort_keys=True))
+        try:
+            return self._seal()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _seal(self) -> Checkpoint:
+        for path, snap in self._snapshots:
+            size, digest = snap.write(path)
+            self._recorded[path.absolute().relative_to(self.dir.absolute()).as_posix()] = {
+                "size": size, "digest": digest, "verify": "on_load"}
+        self._snapshots = []
         files: dict[str, dict[str, Any]] = {}
         for p in sorted(self.dir.rglob("*")):
             rel = p.relative_to(self.dir).as_posix()
@@ -139,10 +274,14 @@ class PendingCheckpoint:
                 raise CheckpointError(f"checkpoint entry {rel} is not a regular file")
             if p.is_dir():
                 continue
+            if rel in self._recorded:  # written and fsynced by save_state: never read again
+                files[rel] = self._recorded[rel]
+                continue
             _fsync_path(p)
-            files[rel] = {"size": p.stat().st_size, "sha256": _sha256(p)}
-        manifest = {"format": FORMAT, "run_key": self.store.run_key, "step": self.step,
-                    "created": time.time(), "files": files, "metrics": self.metrics}
+            files[rel] = {"size": p.stat().st_size, "digest": file_digest(p)}
+        manifest = {"format": FORMAT, "writer": writer_version(), "digest": DEFAULT_ALGORITHM,
+                    "run_key": self.store.run_key, "step": self.step, "created": time.time(), "files": files,
+                    "metrics": self.metrics}
         mpath = self.dir / MANIFEST
         with open(mpath, "w") as fh:
             json.dump(manifest, fh, sort_keys=True, indent=1)
@@ -153,21 +292,30 @@ class PendingCheckpoint:
         _fsync_path(self.dir, directory=True)
         final = self.store.root / f"step-{self.step:09d}"
         if final.exists() and self.store.set_aside_if_damaged(final) is None:
-            self.abort()
             raise CheckpointError(f"a checkpoint for step {self.step} already exists at {final}; it is kept as is "
                                   "(is another process running this run?)")
         try:
             os.rename(self.dir, final)
         except OSError as exc:  # lost a race for the name: keep theirs, drop ours
-            self.abort()
             raise CheckpointError(f"could not seal the checkpoint of step {self.step} at {final}: {exc}") from exc
         _fsync_path(self.store.root, directory=True)
         # The mark goes only now: a kill before the rename leaves a partial that cleanup can still prove ours.
         (final / PARTIAL_MARK).unlink(missing_ok=True)
         return Checkpoint(final, self.step, manifest)
 
+    def commit(self, run_state: Mapping[str, Any]) -> Checkpoint:
+        """:meth:`prepare` and :meth:`seal` in one call (a synchronous checkpoint)."""
+        try:
+            self.prepare(run_state)
+        except BaseException:
+            self.abort()
+            raise
+        return self.seal()
+
     def abort(self) -> None:
-        """Remove the partial directory (after an exception inside the ``with`` block)."""
+        """Remove the partial directory (after an exception inside the ``with`` block, or a failed seal)."""
+        self._unregister()
+        self._snapshots = []
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -184,9 +332,9 @@ class CheckpointStore:
         self.run_key = run_key
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def begin(self, step: int) -> PendingCheckpoint:
-        """Start writing the checkpoint of ``step`` (steps completed)."""
-        return PendingCheckpoint(self, step)
+    def begin(self, step: int, buffers: BufferPool | None = None) -> PendingCheckpoint:
+        """Start writing the checkpoint of ``step`` (steps completed); asynchronous when ``buffers`` is given."""
+        return PendingCheckpoint(self, step, buffers=buffers)
 
     def _read_manifest(self, path: Path) -> dict[str, Any] | None:
         m = _COMPLETE_RE.match(path.name)
@@ -198,6 +346,7 @@ class CheckpointStore:
             return None
         if manifest.get("run_key") != self.run_key or manifest.get("step") != int(m.group(1)):
             return None
+        check_format(manifest.get("format"), FORMAT, f"checkpoint manifest {path / MANIFEST}", manifest.get("writer"))
         return manifest
 
     def open(self, name: str) -> Checkpoint | None:
@@ -215,22 +364,31 @@ class CheckpointStore:
                 found.append(Checkpoint(p, int(manifest["step"]), manifest))
         return sorted(found, key=lambda c: c.step)
 
-    def verify(self, ck: Checkpoint) -> str | None:
-        """Check every file against the manifest. Returns None when intact, else what is wrong."""
+    def verify(self, ck: Checkpoint, full: bool = False) -> str | None:
+        """Check a checkpoint's files against its manifest. Returns None when intact, else what is wrong.
+
+        Every file must exist with its recorded size. Files marked ``verify: on_load`` (written by
+        ``save_state``) are hashed only with ``full=True``: otherwise ``load_state`` checks their digest while
+        it reads them. All other files are hashed here.
+        """
+        default_alg = ck.manifest.get("digest", "sha256")
         for rel, info in ck.manifest.get("files", {}).items():
             p = ck.path / rel
             if not p.is_file():
                 return f"{rel} is missing"
             if p.stat().st_size != info["size"]:
                 return f"{rel} has {p.stat().st_size} bytes, manifest says {info['size']}"
-            if _sha256(p) != info["sha256"]:
-                return f"{rel} does not match its sha256"
+            if info.get("verify") == "on_load" and not full:
+                continue
+            alg, digest = entry_digest(info, default_alg)
+            if file_digest(p, alg) != digest:
+                return f"{rel} does not match its {alg} digest"
         if RUN_STATE not in ck.manifest.get("files", {}):
             return f"{RUN_STATE} is missing"
         return None
 
     def latest(self) -> Checkpoint | None:
-        """The newest checkpoint whose files all match their manifest, or None.
+        """The newest checkpoint whose files all match their manifest (see :meth:`verify`), or None.
 
         A damaged checkpoint newer than it is set aside (renamed ``.damaged-step-<n>-<id>``, kept for
         inspection) so that it is neither resumed from, nor counted by retention, nor in the way of the
@@ -250,7 +408,7 @@ class CheckpointStore:
         if problem is None:
             manifest = self._read_manifest(path)
             if manifest is not None:
-                problem = self.verify(Checkpoint(path, int(manifest["step"]), manifest))
+                problem = self.verify(Checkpoint(path, int(manifest["step"]), manifest), full=True)
             else:
                 problem = "no readable manifest"
         if problem is None:
@@ -310,3 +468,30 @@ class CheckpointStore:
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p)
         return removed
+
+
+def manifest_entry(path: str | os.PathLike) -> tuple[Path, str, str, int] | None:
+    """What the manifest of the complete checkpoint holding ``path`` says of it, if it is in one.
+
+    Returns:
+        ``(checkpoint directory, algorithm, hex digest, size)``, or None when ``path`` is not a file listed
+        in the manifest of a ``step-<n>`` directory among its parents.
+
+    Raises:
+        CheckpointFormatError: the manifest is of a newer format.
+    """
+    p = Path(path).absolute()
+    for parent in p.parents:
+        if not _COMPLETE_RE.match(parent.name):
+            continue
+        try:
+            manifest = json.loads((parent / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return None
+        check_format(manifest.get("format"), FORMAT, f"checkpoint manifest {parent / MANIFEST}", manifest.get("writer"))
+        info = manifest.get("files", {}).get(p.relative_to(parent).as_posix())
+        if info is None:
+            return None
+        alg, digest = entry_digest(info, manifest.get("digest", "sha256"))
+        return parent, alg, digest, int(info["size"])
+    return None

@@ -1,0 +1,336 @@
+"""safetensors files written and read in one streamed pass, hashed on the way.
+
+The on-disk format is safetensors' own (any safetensors reader opens these files): an 8-byte little-endian
+header length, a JSON header (dtype, shape and ``data_offsets`` of each tensor, ``__metadata__``) padded with
+spaces to a multiple of 8 bytes, then the tensors' bytes back to back. The library itself cannot hash while it
+writes or verify while it reads, so the few lines that frame the format live here:
+
+- :func:`write_tensors` streams each tensor's bytes straight from its memory to the file (no whole-file bytes
+  object: the extra memory is one tensor made contiguous at most), hashing them as they go out;
+- :class:`Snapshot` copies the tensors into a reusable host buffer laid out exactly as the file (pinned memory
+  and non-blocking copies on CUDA), so a background thread can write it while training goes on;
+- :func:`read_tensors` reads each tensor into its own memory with ``readinto`` and hashes what it read, so a
+  checkpoint is verified while it is loaded instead of read twice.
+
+Tensors are ordered as safetensors' serialiser orders them (by dtype, larger element size first, then by name),
+so the bytes equal the library's own output; every tensor's offset is then a multiple of its element size,
+which lets a snapshot copy straight into a typed view of the buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import CheckpointError
+from ..fsutil import fsync_dir
+from .digest import CHUNK_BYTES, DEFAULT_ALGORITHM, new_hasher
+
+#: torch dtype -> safetensors dtype name (the names of safetensors' format specification).
+DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.complex64: "C64",
+}
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("U16", "uint16"),
+                     ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _attr):
+        DTYPES[getattr(torch, _attr)] = _name
+_BY_NAME = {v: k for k, v in DTYPES.items()}
+#: The order in which safetensors' serialiser lays tensors out (then by name): element size never grows.
+_ORDER = {n: i for i, n in enumerate(["U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16",
+                                       "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL"])}
+#: A header larger than this is not a safetensors header (safetensors' own limit is 100 MB).
+_MAX_HEADER = 100_000_000
+
+
+class DamagedFileError(CheckpointError):
+    """A file's bytes do not match the digest its checkpoint manifest recorded, or it is truncated.
+
+    Attributes:
+        path: the file.
+        checkpoint: the checkpoint directory holding it, or None outside a checkpoint.
+    """
+
+    def __init__(self, message: str, path: Path, checkpoint: Path | None = None):
+        super().__init__(message)
+        self.path = path
+        self.checkpoint = checkpoint
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor goes in a safetensors file.
+
+    Attributes:
+        header: the 8-byte length and the padded JSON header, as written.
+        entries: ``(name, tensor, begin, end)`` in file order; offsets in bytes from the end of the header.
+        size: the whole file's size in bytes.
+    """
+
+    header: bytes
+    entries: tuple[tuple[str, torch.Tensor, int, int], ...]
+    size: int
+
+
+def layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> Layout:
+    """Lay out ``tensors`` (any device, any strides) and ``metadata`` (str -> str) as a safetensors file.
+
+    Raises:
+        CheckpointError: a dtype safetensors cannot store (e.g. complex128), or a non-string metadata value.
+    """
+    entries = []
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in DTYPES:
+            raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+    for name, t in sorted(tensors.items(), key=lambda kv: (_ORDER[DTYPES[kv[1].dtype]], kv[0])):
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        entries.append((name, t, offset, offset + nbytes))
+        offset += nbytes
+    if metadata:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise CheckpointError("safetensors metadata must map str to str")
+        header["__metadata__"] = dict(metadata)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    head = struct.pack("<Q", len(raw)) + raw
+    return Layout(head, tuple(entries), len(head) + offset)
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t`` in row-major order, without a copy when it is a contiguous CPU tensor."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return memoryview(t.reshape(-1).contiguous().view(torch.uint8).numpy())
+
+
+def _write_all(fd: int, data: memoryview, hasher: Any) -> None:
+    for i in range(0, len(data), CHUNK_BYTES):
+        chunk = data[i:i + CHUNK_BYTES]
+        hasher.update(chunk)
+        while chunk:
+            n = os.write(fd, chunk)
+            chunk = chunk[n:]
+
+
+def _open_temp(path: Path) -> tuple[int, Path]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    return fd, Path(tmp)
+
+
+def _finish_temp(fd: int, tmp: Path, path: Path) -> None:
+    os.fsync(fd)
+    os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_tensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
+                  metadata: Mapping[str, str] | None = None, algorithm: str = DEFAULT_ALGORITHM) -> tuple[int, str]:
+    """Write a safetensors file atomically, streaming each tensor from its memory, and hash it on the way.
+
+    The file is written to a temporary name beside ``path``, fsynced once, renamed, and the directory fsynced:
+    a reader sees the old file or the new one. CUDA tensors are copied to the CPU one at a time.
+
+    Returns:
+        ``(size in bytes, hex digest with algorithm)``.
+
+    Raises:
+        CheckpointError: see :func:`layout`. OSError: the write failed (the temporary file is removed).
+    """
+    lay = layout(tensors, metadata)
+    path = Path(path)
+    hasher = new_hasher(algorithm)
+    fd, tmp = _open_temp(path)
+    try:
+        _write_all(fd, memoryview(lay.header), hasher)
+        for _name, t, begin, end in lay.entries:
+            if end > begin:
+                _write_all(fd, _host_bytes(t), hasher)
+        _finish_temp(fd, tmp, path)
+    except BaseException as exc:
+        _close_quietly(fd)
+        tmp.unlink(missing_ok=True)
+        _raise_with_path(exc, path)
+    return lay.size, hasher.hexdigest()
+
+
+def _raise_with_path(exc: BaseException, path: Path) -> None:
+    """Re-raise ``exc``; an OSError without a file name (os.write's) gets ``path``, so the message names it."""
+    if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+    raise exc
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+class HostBuffer:
+    """Host memory reused by the snapshots of successive checkpoints (pinned when CUDA tensors are copied).
+
+    It grows when a larger snapshot needs it and is never shrunk, so peak memory stays at one snapshot.
+    """
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+        self.allocations = 0  #: how many times memory was (re)allocated, for tests and benchmarks
+
+    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        """A uint8 tensor of ``nbytes`` bytes (its first bytes; contents undefined)."""
+        buf = self._buf
+        if buf is None or buf.numel() < nbytes or (pinned and not buf.is_pinned()):
+            self._buf = buf = None  # free the old one first: two buffers at once would double the peak
+            self._buf = buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+            self.allocations += 1
+        return buf[:nbytes]
+
+
+class Snapshot:
+    """A point-in-time copy of tensors, laid out as their safetensors file, written later by :meth:`write`.
+
+    Taking it copies every tensor into ``buffer`` (CPU tensors at once; CUDA tensors by non-blocking copies
+    on the current stream into pinned memory, with one event recorded per device). Later training steps
+    may change the tensors immediately: on CUDA they run after the copies on the same stream, and the
+    writer waits for the events before it reads the buffer.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None,
+                 buffer: HostBuffer):
+        self.layout = lay = layout(tensors, metadata)
+        devices = {t.device for _n, t, _b, _e in lay.entries if t.device.type == "cuda"}
+        self._buf = buf = buffer.take(lay.size, pinned=bool(devices))
+        head = len(lay.header)
+        buf[:head].copy_(torch.frombuffer(bytearray(lay.header), dtype=torch.uint8))
+        for _name, t, begin, end in lay.entries:
+            if end > begin:
+                dst = buf[head + begin:head + end].view(t.dtype).view(t.shape)
+                dst.copy_(t.detach(), non_blocking=t.device.type == "cuda")
+        self._events = []
+        for dev in devices:
+            with torch.cuda.device(dev):
+                ev = torch.cuda.Event()
+                ev.record()
+                self._events.append(ev)
+        # The layout keeps references to the live tensors; only their shapes were needed.
+        self.layout = Layout(lay.header, (), lay.size)
+
+    def write(self, path: str | os.PathLike, algorithm: str = DEFAULT_ALGORITHM) -> tuple[int, str]:
+        """Write the snapshot to ``path`` (atomically, fsynced); returns ``(size, hex digest)``."""
+        for ev in self._events:
+            ev.synchronize()
+        path = Path(path)
+        hasher = new_hasher(algorithm)
+        fd, tmp = _open_temp(path)
+        try:
+            _write_all(fd, memoryview(self._buf.numpy()), hasher)
+            _finish_temp(fd, tmp, path)
+        except BaseException as exc:
+            _close_quietly(fd)
+            tmp.unlink(missing_ok=True)
+            _raise_with_path(exc, path)
+        return self.layout.size, hasher.hexdigest()
+
+
+def read_tensors(path: str | os.PathLike, *, expect: tuple[str, str, int] | None = None,
+                 checkpoint: Path | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read a safetensors file into CPU tensors (each in its own memory), hashing it as it is read.
+
+    Args:
+        path: the file.
+        expect: ``(algorithm, hex digest, size)`` from a checkpoint manifest; the file must match it.
+        checkpoint: the checkpoint directory, named in a :class:`DamagedFileError`.
+
+    Returns:
+        ``(name -> tensor, metadata)``.
+
+    Raises:
+        DamagedFileError: with ``expect``: the size or the digest differs, or the file is truncated.
+        CheckpointError: not a safetensors file (bad header, unknown dtype, truncated without ``expect``).
+    """
+    path = Path(path)
+    hasher = new_hasher(expect[0]) if expect else None
+
+    def damaged(why: str) -> CheckpointError:
+        if expect:
+            return DamagedFileError(f"{path} {why}", path, checkpoint)
+        return CheckpointError(f"{path} is not a readable safetensors file: {why}")
+
+    if expect and path.stat().st_size != expect[2]:
+        raise damaged(f"has {path.stat().st_size} bytes, its manifest says {expect[2]}")
+    with open(path, "rb", buffering=0) as fh:
+        head = _read_exactly(fh, 8, hasher)
+        if len(head) < 8:
+            raise damaged("is truncated (no header)")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > _MAX_HEADER:
+            raise damaged(f"has an impossible header length {hlen}")
+        raw = _read_exactly(fh, hlen, hasher)
+        try:
+            header = json.loads(raw)
+        except ValueError:
+            raise damaged("has a header that is not JSON") from None
+        metadata = header.pop("__metadata__", None) or {}
+        tensors: dict[str, torch.Tensor] = {}
+        pos = 0
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            begin, end = info["data_offsets"]
+            dtype = _BY_NAME.get(info["dtype"])
+            if dtype is None:
+                raise damaged(f"holds tensor {name!r} of dtype {info['dtype']}, unknown to this reader")
+            if begin != pos:
+                raise damaged(f"has a gap or overlap before tensor {name!r}")
+            t = torch.empty(info["shape"], dtype=dtype)
+            if end - begin != t.numel() * t.element_size():
+                raise damaged(f"has a wrong byte count for tensor {name!r}")
+            if end > begin:
+                view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                if _readinto_exactly(fh, view, hasher) < len(view):
+                    raise damaged("is truncated")
+            tensors[name] = t
+            pos = end
+        if hasher is not None:
+            while rest := fh.read(CHUNK_BYTES):  # trailing bytes count too
+                hasher.update(rest)
+    if expect and hasher.hexdigest() != expect[1]:
+        raise damaged(f"does not match its {expect[0]} digest")
+    return tensors, metadata
+
+
+def _read_exactly(fh: Any, n: int, hasher: Any) -> bytes:
+    data = fh.read(n) if n else b""
+    while len(data) < n:
+        more = fh.read(n - len(data))
+        if not more:
+            break
+        data += more
+    if hasher is not None:
+        hasher.update(data)
+    return data
+
+
+def _readinto_exactly(fh: Any, view: memoryview, hasher: Any) -> int:
+    done = 0
+    while done < len(view):
+        n = fh.readinto(view[done:done + CHUNK_BYTES])
+        if not n:
+            break
+        if hasher is not None:
+            hasher.update(view[done:done + n])
+        done += n
+    return done
