@@ -130,7 +130,7 @@ class CheckpointWriter:
         """Path for file ``name`` in the checkpoint; see :meth:`PendingCheckpoint.path`.
 
         On ranks other than 0 of a multi-task run the path is in a scratch folder of that rank that is
-        discarded: rank 0's files are the checkpoint (the model and optimizer state are the same on every
+        discarded (``save_state`` writes nothing there): rank 0's files are the checkpoint (the model and optimizer state are the same on every
         rank); each rank's own RNG and data position are saved in it by the Run.
         """
         return self._pending.path(name)
@@ -602,7 +602,9 @@ class Run:
             error = exc
         failed = self.dist.any(error is not None)
         sealed = None
-        if self.dist.is_main:
+        if not self.dist.is_main:
+            pending.abort()  # the scratch folder: nothing in it is kept
+        else:
             if failed:
                 pending.abort()
             else:

@@ -131,6 +131,23 @@ def test_preemption_requeued_by_slurm_once_and_resumes(project):
     assert [s.get("SLURM_RESTART_COUNT", "0") for s in info["starts"]] == ["0", "1"]
 
 
+def test_preemption_with_a_large_state_seals_its_final_checkpoint_and_resumes(project):
+    """A 320 MiB state, checkpointed asynchronously: the eviction checkpoint is sealed before the process exits,
+    well inside KillWait (10 s on the local cluster), and the requeued job resumes from exactly that step."""
+    job = submit(project, *SLOW, "job.eval_every=50", env_vars={"GWL_TEST_SLEEP": "0.05", "GWL_TEST_EXTRA_MB": "320"})
+    wait_until(checkpoint_at_least(project, 50), what="a checkpoint at step 50")
+    high = sh("sbatch", "--parsable", "-o", "/dev/null", "-p", "high", "-w", "n1", "-c", "2", "--wrap", "sleep 3")
+    assert high
+    assert finish(job) == "COMPLETED"
+    text = log_text(project, job)
+    evicted = re.search(r"loop ended after step (\d+)", text)
+    assert evicted and "stop requested (SIGTERM)" in text, text
+    assert f"resuming from step {evicted.group(1)}" in text, text  # the final checkpoint was sealed in time
+    ck = run_dir(project) / "checkpoints" / "step-000000300"
+    assert json.loads((ck / "MANIFEST.json").read_text())["files"]["state.safetensors"]["size"] > 320 << 20
+    one_point_per_step(project, 300)
+
+
 def test_scancel_keeps_checkpoint_and_resubmission_resumes(project):
     # A 2-minute limit with a 30 s warning: the whole job lies in the window where an eviction counts as a
     # time limit; a scancel must still never be requeued.

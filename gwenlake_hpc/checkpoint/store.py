@@ -181,8 +181,11 @@ class PendingCheckpoint:
         self._snapshots: list[tuple[Path, Snapshot]] = []
         self._buffers = buffers
         self._registered: Path | None = None
+        self._discard = scratch is not None
         if scratch is not None:  # a rank other than 0: files go to a folder that is never sealed
             self.dir = Path(scratch)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._register()
             return
         self.dir = store.root / f".partial-{step:09d}-{uuid.uuid4().hex[:12]}"
         self.dir.mkdir(parents=True)
@@ -190,6 +193,9 @@ class PendingCheckpoint:
         (self.dir / PARTIAL_MARK).write_text(json.dumps({"run_key": store.run_key, "pid": os.getpid()}))
         if buffers is not None:
             buffers.reset()
+        self._register()
+
+    def _register(self) -> None:
         self._registered = self.dir.absolute()
         with _OPEN_LOCK:
             _OPEN[self._registered] = self
@@ -218,8 +224,11 @@ class PendingCheckpoint:
         """Store a safetensors file at ``path`` inside the checkpoint (what ``save_state`` calls).
 
         Asynchronous: copies the tensors into a reused host buffer and returns; :meth:`seal` writes them.
-        Otherwise: streams the file now, hashed on the way. Either way the seal does not re-read it.
+        Otherwise: streams the file now, hashed on the way. Either way the seal does not re-read it. In the
+        scratch folder of a rank other than 0 nothing is written: rank 0's copy is the checkpoint.
         """
+        if self._discard:
+            return Path(path)
         rel = Path(path).absolute().relative_to(self.dir.absolute()).as_posix()
         if self._buffers is not None:
             self._snapshots = [(p, s) for p, s in self._snapshots if p != Path(path)]

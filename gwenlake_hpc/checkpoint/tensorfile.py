@@ -9,8 +9,8 @@ writes or verify while it reads, so the few lines that frame the format live her
   object: the extra memory is one tensor made contiguous at most), hashing them as they go out;
 - :class:`Snapshot` copies the tensors into a reusable host buffer laid out exactly as the file (pinned memory
   and non-blocking copies on CUDA), so a background thread can write it while training goes on;
-- :func:`read_tensors` reads each tensor into its own memory with ``readinto`` and hashes what it read, so a
-  checkpoint is verified while it is loaded instead of read twice.
+- :func:`read_tensors` maps the file as safetensors' loader does and hashes the mapping before it hands out
+  the tensors (views of it), so a checkpoint is verified while it is loaded instead of read twice.
 
 Tensors are ordered as safetensors' serialiser orders them (by dtype, larger element size first, then by name),
 so the bytes equal the library's own output; every tensor's offset is then a multiple of its element size,
@@ -20,6 +20,8 @@ which lets a snapshot copy straight into a typed view of the buffer.
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import os
 import struct
 import tempfile
@@ -249,7 +251,11 @@ class Snapshot:
 
 def read_tensors(path: str | os.PathLike, *, expect: tuple[str, str, int] | None = None,
                  checkpoint: Path | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Read a safetensors file into CPU tensors (each in its own memory), hashing it as it is read.
+    """Map a safetensors file into CPU tensors, hashing it on the way when its digest is expected.
+
+    The file is mapped privately (copy-on-write), as safetensors' own loader maps it: the tensors are views
+    of the mapping, so loading them into a model reads each page once. With ``expect`` the whole mapping is
+    hashed first, which brings every page in; the tensors are handed out only if the digest matches.
 
     Args:
         path: the file.
@@ -257,80 +263,58 @@ def read_tensors(path: str | os.PathLike, *, expect: tuple[str, str, int] | None
         checkpoint: the checkpoint directory, named in a :class:`DamagedFileError`.
 
     Returns:
-        ``(name -> tensor, metadata)``.
+        ``(name -> tensor, metadata)``; the tensors are CPU tensors, writable (a write copies the page).
 
     Raises:
-        DamagedFileError: with ``expect``: the size or the digest differs, or the file is truncated.
-        CheckpointError: not a safetensors file (bad header, unknown dtype, truncated without ``expect``).
+        DamagedFileError: with ``expect``: the size or the digest differs.
+        CheckpointError: not a safetensors file (bad header, unknown dtype, truncated).
     """
     path = Path(path)
-    hasher = new_hasher(expect[0]) if expect else None
 
     def damaged(why: str) -> CheckpointError:
         if expect:
             return DamagedFileError(f"{path} {why}", path, checkpoint)
         return CheckpointError(f"{path} is not a readable safetensors file: {why}")
 
-    if expect and path.stat().st_size != expect[2]:
-        raise damaged(f"has {path.stat().st_size} bytes, its manifest says {expect[2]}")
-    with open(path, "rb", buffering=0) as fh:
-        head = _read_exactly(fh, 8, hasher)
-        if len(head) < 8:
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if expect and size != expect[2]:
+            raise damaged(f"has {size} bytes, its manifest says {expect[2]}")
+        if size < 8:
             raise damaged("is truncated (no header)")
-        (hlen,) = struct.unpack("<Q", head)
-        if hlen > _MAX_HEADER:
-            raise damaged(f"has an impossible header length {hlen}")
-        raw = _read_exactly(fh, hlen, hasher)
-        try:
-            header = json.loads(raw)
-        except ValueError:
-            raise damaged("has a header that is not JSON") from None
-        metadata = header.pop("__metadata__", None) or {}
-        tensors: dict[str, torch.Tensor] = {}
-        pos = 0
-        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            begin, end = info["data_offsets"]
-            dtype = _BY_NAME.get(info["dtype"])
-            if dtype is None:
-                raise damaged(f"holds tensor {name!r} of dtype {info['dtype']}, unknown to this reader")
-            if begin != pos:
-                raise damaged(f"has a gap or overlap before tensor {name!r}")
-            t = torch.empty(info["shape"], dtype=dtype)
-            if end - begin != t.numel() * t.element_size():
-                raise damaged(f"has a wrong byte count for tensor {name!r}")
-            if end > begin:
-                view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                if _readinto_exactly(fh, view, hasher) < len(view):
-                    raise damaged("is truncated")
-            tensors[name] = t
-            pos = end
-        if hasher is not None:
-            while rest := fh.read(CHUNK_BYTES):  # trailing bytes count too
-                hasher.update(rest)
-    if expect and hasher.hexdigest() != expect[1]:
-        raise damaged(f"does not match its {expect[0]} digest")
+        mm = mmap.mmap(fh.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    view = memoryview(mm)
+    if expect:
+        if hasattr(mmap, "MADV_SEQUENTIAL"):
+            mm.madvise(mmap.MADV_SEQUENTIAL)
+        hasher = new_hasher(expect[0])
+        for i in range(0, size, CHUNK_BYTES):
+            hasher.update(view[i:i + CHUNK_BYTES])
+        if hasher.hexdigest() != expect[1]:
+            raise damaged(f"does not match its {expect[0]} digest")
+    (hlen,) = struct.unpack("<Q", view[:8])
+    if hlen > min(_MAX_HEADER, size - 8):
+        raise damaged(f"has an impossible header length {hlen}")
+    try:
+        header = json.loads(bytes(view[8:8 + hlen]))
+    except ValueError:
+        raise damaged("has a header that is not JSON") from None
+    metadata = header.pop("__metadata__", None) or {}
+    start = 8 + hlen
+    data = torch.frombuffer(mm, dtype=torch.uint8)  # keeps the mapping alive as long as a tensor uses it
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        dtype = _BY_NAME.get(info.get("dtype"))
+        if dtype is None:
+            raise damaged(f"holds tensor {name!r} of dtype {info.get('dtype')}, unknown to this reader")
+        begin, end = info["data_offsets"]
+        shape = info["shape"]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if not 0 <= begin <= end <= size - start or end - begin != math.prod(shape) * itemsize:
+            raise damaged(f"is truncated or has wrong offsets for tensor {name!r}")
+        raw = data[start + begin:start + end]
+        if (start + begin) % itemsize:  # a foreign writer's unaligned layout: copy instead of a view
+            raw = raw.clone()
+        tensors[name] = raw.view(dtype).view(shape)
+    del view
     return tensors, metadata
-
-
-def _read_exactly(fh: Any, n: int, hasher: Any) -> bytes:
-    data = fh.read(n) if n else b""
-    while len(data) < n:
-        more = fh.read(n - len(data))
-        if not more:
-            break
-        data += more
-    if hasher is not None:
-        hasher.update(data)
-    return data
-
-
-def _readinto_exactly(fh: Any, view: memoryview, hasher: Any) -> int:
-    done = 0
-    while done < len(view):
-        n = fh.readinto(view[done:done + CHUNK_BYTES])
-        if not n:
-            break
-        if hasher is not None:
-            hasher.update(view[done:done + n])
-        done += n
-    return done
