@@ -443,6 +443,9 @@ def _client(tracking_uri: str) -> Any:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     from mlflow import MlflowClient
 
+    from .tracking import ensure_sqlite_store
+
+    ensure_sqlite_store(tracking_uri)  # a new SQLite store is made whole before MLflow opens it
     return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
 
 

@@ -49,8 +49,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from .errors import ConfigError
-from .fsutil import write_atomic
+from ..errors import ConfigError
+from ..fsutil import write_atomic
+from .sqlite import BrokenStoreError, ensure_sqlite_store
 
 logger = logging.getLogger("gwenlake_hpc.tracking")
 
@@ -373,6 +374,8 @@ class _RunSession:
     def __init__(self, uri: str) -> None:
         from mlflow import MlflowClient
 
+        if is_sqlite(uri):
+            ensure_sqlite_store(uri)  # never let MLflow migrate a new SQLite file in place
         self.uri = uri
         self.client = MlflowClient(tracking_uri=uri)
         self.run_id: str | None = None
@@ -1155,6 +1158,9 @@ class Tracker:
         if not self._outage and not self._abandoned:
             self._outage = True
             self._outage_delivered_mark = self._delivered_before
+            if isinstance(exc, BrokenStoreError):
+                logger.error("tracking: %s; points are kept in %s", exc, self._spool_path)
+                return
             logger.warning(
                 "tracking: MLflow at %s is not answering (%s: %s); spooling points to %s and "
                 "retrying (every %.0f s at most); the training goes on",
@@ -1291,6 +1297,7 @@ def sync(
 
     Raises:
         ConfigError: ``state_dir`` has no readable ``tracking.json``, or the URI is invalid.
+        BrokenStoreError (a ConfigError): the SQLite store exists but cannot be opened.
     """
     state_dir = Path(state_dir).expanduser().absolute()
     cfg_path = state_dir / TRACKING_JSON
@@ -1335,6 +1342,8 @@ def sync(
                 applied = status
             delivered += session.delivered
             break
+        except BrokenStoreError:
+            raise
         except Exception as exc:
             if session is not None:
                 delivered += session.delivered

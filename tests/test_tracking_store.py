@@ -1,0 +1,78 @@
+"""The default SQLite store is created whole: concurrent first users and kills during creation (real MLflow)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from gwenlake_hpc.tracking import BrokenStoreError, ensure_sqlite_store, sqlite_path, sync
+
+CREATE = ("import sys; from gwenlake_hpc.tracking import ensure_sqlite_store as e; from mlflow import MlflowClient;"
+          "e(sys.argv[1]); c = MlflowClient(sys.argv[1]);"
+          "x = c.create_experiment(sys.argv[2]); c.create_run(x); print('ok')")
+
+
+def env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def test_sqlite_path_of_uris(tmp_path):
+    assert sqlite_path(f"sqlite:///{tmp_path}/m.db") == tmp_path / "m.db"
+    assert sqlite_path("sqlite:///rel/m.db") == Path("rel/m.db")
+    assert sqlite_path("sqlite:///:memory:") is None and sqlite_path("http://h:5000") is None
+
+
+@pytest.mark.slow
+def test_concurrent_first_users_all_get_one_usable_store(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    procs = [subprocess.Popen([sys.executable, "-c", CREATE, uri, f"exp{i}"], env=env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(12)]
+    results = [(p.wait(timeout=600), *p.communicate()) for p in procs]
+    assert [r[0] for r in results] == [0] * 12, [r[2][-400:] for r in results if r[0]]
+    client = MlflowClient(uri)
+    names = sorted(e.name for e in client.search_experiments())
+    assert names == sorted(["Default"] + [f"exp{i}" for i in range(12)])
+    assert not list(tmp_path.glob(".mlflow.db.*.tmp"))
+
+
+@pytest.mark.slow
+def test_kill_during_creation_leaves_no_store_or_a_whole_one(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    killed_mid = 0
+    for attempt in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", CREATE, uri, f"k{attempt}"], env=env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None and not list(tmp_path.glob(".mlflow.db.*.tmp")):
+            time.sleep(0.005)
+        if proc.poll() is None and not (tmp_path / "mlflow.db").exists():
+            killed_mid += 1
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        assert not (tmp_path / "mlflow.db").exists() or MlflowClient(uri).search_experiments()
+    print(f"{killed_mid} kill(s) landed while the store was being migrated")
+    done = subprocess.run([sys.executable, "-c", CREATE, uri, "after"], env=env(), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-800:]
+    assert "after" in [e.name for e in MlflowClient(uri).search_experiments()]
+    assert not list(tmp_path.glob(".mlflow.db.*.tmp"))  # a killed creator's temporary file is cleaned
+
+
+def test_broken_store_is_reported_with_its_path(tmp_path):
+    db = tmp_path / "mlflow.db"
+    db.write_bytes(b"SQLite format 3\0" + b"\0" * 100)  # the header of a database, then nothing usable
+    with pytest.raises(BrokenStoreError, match="mv .*mlflow.db.*mlflow.db.broken") as err:
+        ensure_sqlite_store(f"sqlite:///{db}")
+    assert err.value.exit_code == 2 and str(db) in str(err.value)
+    state = tmp_path / "run" / "tracking"
+    state.mkdir(parents=True)
+    (state / "tracking.json").write_text('{"uri": "sqlite:///%s", "experiment": "e", "run_name": "r"}' % db)
+    with pytest.raises(BrokenStoreError):
+        sync(state, timeout_s=1)
