@@ -576,7 +576,9 @@ def default_tracking_uri(explicit: str | None) -> str | None:
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
     db = Path.cwd() / "runs" / "mlflow.db"
-    return f"sqlite:///{db}" if db.is_file() else None
+    from .tracking import sqlite_uri
+
+    return sqlite_uri(db) if db.is_file() else None
 
 
 def _fmt_metrics(metrics: Mapping[str, Any]) -> str:

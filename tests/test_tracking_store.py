@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from gwenlake_hpc.tracking import BrokenStoreError, ensure_sqlite_store, sqlite_path, sync
+from gwenlake_hpc.tracking import BrokenStoreError, ensure_sqlite_store, sqlite_path, sqlite_uri, sync
 
 CREATE = ("import sys; from gwenlake_hpc.tracking import ensure_sqlite_store as e; from mlflow import MlflowClient;"
           "e(sys.argv[1]); c = MlflowClient(sys.argv[1]);"
@@ -25,6 +25,8 @@ def env():
 
 def test_sqlite_path_of_uris(tmp_path):
     assert sqlite_path(f"sqlite:///{tmp_path}/m.db") == tmp_path / "m.db"
+    odd = tmp_path / "a?b#c%41 ï" / "mlflow.db"
+    assert sqlite_path(sqlite_uri(odd)) == odd
     assert sqlite_path("sqlite:///rel/m.db") == Path("rel/m.db")
     assert sqlite_path("sqlite:///:memory:") is None and sqlite_path("http://h:5000") is None
 
@@ -76,3 +78,21 @@ def test_broken_store_is_reported_with_its_path(tmp_path):
     (state / "tracking.json").write_text('{"uri": "sqlite:///%s", "experiment": "e", "run_name": "r"}' % db)
     with pytest.raises(BrokenStoreError):
         sync(state, timeout_s=1)
+
+
+@pytest.mark.slow
+def test_runs_root_with_special_characters_keeps_the_store_inside(project):
+    root = "runs a?b#c%41 ï"
+    done = project.run("+job=t", "job.steps=20", f"paths.runs_root='{root}'", check=0)
+    assert "model t.model version" in done.stdout
+    store = project.root / root / "mlflow.db"
+    assert store.is_file()
+    assert list(project.root.rglob("*.db")) == [store]
+    # MLflow makes the store's parent folder from the URI without decoding it: an empty folder with the
+    # escapes in its name may appear beside it (never anything in it).
+    others = [p for p in project.root.iterdir() if p.name.startswith("runs") and p.name != root]
+    assert all(p.name == "runs a%3Fb%23c%2541 ï" and not list(p.iterdir()) for p in others), others
+    client = MlflowClient(sqlite_uri(store))
+    runs = client.search_runs([client.get_experiment_by_name("t.model").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")) == list(range(1, 21))

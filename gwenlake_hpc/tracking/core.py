@@ -51,7 +51,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import ConfigError
 from ..fsutil import write_atomic
-from .sqlite import BrokenStoreError, ensure_sqlite_store
+from .sqlite import BrokenStoreError, ensure_sqlite_store, sqlite_uri
 
 logger = logging.getLogger("gwenlake_hpc.tracking")
 
@@ -100,9 +100,10 @@ def default_uri(runs_root: str | os.PathLike[str]) -> str:
             does not depend on the working directory of the job.
 
     Returns:
-        ``"sqlite:///<absolute runs_root>/mlflow.db"`` (four slashes for an absolute path).
+        ``"sqlite:///<absolute runs_root>/mlflow.db"`` (four slashes for an absolute path), the path
+        percent-encoded, so the store lands inside ``runs_root`` whatever characters it holds.
     """
-    return f"sqlite:///{Path(runs_root).expanduser().absolute() / 'mlflow.db'}"
+    return sqlite_uri(Path(runs_root) / "mlflow.db")
 
 
 def validate_uri(uri: str) -> str:

@@ -32,6 +32,17 @@ class BrokenStoreError(ConfigError):
     """The SQLite store exists but MLflow cannot use it (half-made by an older version, or damaged)."""
 
 
+def sqlite_uri(path: str | os.PathLike[str]) -> str:
+    """``sqlite:////ABSOLUTE/PATH`` of a file, with ``%``, ``?`` and ``#`` percent-encoded: in a folder name they
+    would otherwise be read as an escape, a query or a fragment, and the store land elsewhere or not open.
+
+    Spaces and non-ASCII letters stay as they are (SQLAlchemy reads them): MLflow creates the parent folder
+    from the URI without decoding it, so each encoded character would leave an empty folder of that name.
+    """
+    text = str(Path(path).expanduser().absolute())
+    return "sqlite:///" + text.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
+
+
 def sqlite_path(uri: str) -> Path | None:
     """The file of a ``sqlite:///PATH`` URI (percent-decoded), or None for another scheme or in-memory."""
     parts = urlsplit(uri)
@@ -81,7 +92,7 @@ def _store(uri: str, artifact_root: Path):
 def _create(path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        store = _store(f"sqlite:///{tmp}", path.parent / "mlartifacts")
+        store = _store(sqlite_uri(tmp), path.parent / "mlartifacts")
         store.engine.dispose()
         fd = os.open(tmp, os.O_RDONLY)
         try:
@@ -99,7 +110,7 @@ def _create(path: Path) -> None:
 
 def _check(path: Path) -> None:
     try:
-        _store(f"sqlite:///{path}", path.parent / "mlartifacts").engine.dispose()
+        _store(sqlite_uri(path), path.parent / "mlartifacts").engine.dispose()
     except Exception as exc:  # MLflow and SQLAlchemy raise many types here; all mean "unusable"
         raise BrokenStoreError(
             f"the MLflow store {path} cannot be opened ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
