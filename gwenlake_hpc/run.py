@@ -522,19 +522,23 @@ class Run:
             except BaseException:
                 pending.abort()
                 raise
+            if writer.metrics:
+                self.log(writer.metrics)
             self._seal(pending, keep, asynchronous)
             self._checkpoint_step = self.step
-        if writer.metrics and self.is_main:
-            self.log(writer.metrics)
-        # Points up to this checkpoint become durable with it: a SIGKILL later loses none of them (the
-        # steps after it are replayed on resume). Bounded wait; see Tracker.flush.
-        flush = getattr(self.tracker, "flush", None)
-        if flush is not None and self.is_main:
-            flush(timeout_s=5.0)
 
     def _seal(self, pending: PendingCheckpoint, keep: int | None, asynchronous: bool) -> None:
-        """Seal ``pending`` and apply retention: in the background writer, or here when synchronous."""
+        """Make the points logged so far durable, seal ``pending`` and apply retention: in the background
+        writer, or here when synchronous.
+
+        The points come first: a checkpoint sealed before the points it covers are on disk would let a
+        SIGKILL lose them for good (the resumed run does not replay steps at or before its checkpoint).
+        """
+        make_durable = getattr(self.tracker, "make_durable", None) if self.is_main else None
+
         def job() -> Checkpoint:
+            if make_durable is not None:
+                make_durable(timeout_s=5.0)
             ck = pending.seal()
             self.latest_checkpoint = ck
             if keep is not None:
@@ -611,6 +615,8 @@ class Run:
                 pending.metrics = {k: float(v) for k, v in writer.metrics.items()}
                 try:
                     pending.prepare(self.state_dict())
+                    if writer.metrics:
+                        self.log(writer.metrics)
                     self._seal(pending, keep, asynchronous)
                     sealed = f"step-{self.step:09d}"
                 except BaseException as exc:

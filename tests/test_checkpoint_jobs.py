@@ -130,3 +130,24 @@ def test_checkpoint_of_a_newer_format_is_refused_with_exit_2(project):
     assert again.returncode == 2, log
     assert "format 3, written by gwenlake_hpc 9.9.0" in log and "Traceback" not in log, log
     assert sealed_steps(project) == [10, 16]  # nothing deleted or set aside
+
+
+def test_sigkill_right_after_a_seal_loses_no_tracking_point(project):
+    """Points up to a checkpoint are on disk before it is sealed: a SIGKILL the moment it appears loses none."""
+    from test_job import assert_one_point_per_step, mlflow_runs
+
+    proc = project.popen("+job=t", env={"GWL_TEST_SLEEP": "0.05"})
+    sealed = project.root / "runs" / "t.model"
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None \
+            and not list(sealed.glob("*/checkpoints/step-000000020/MANIFEST.json")):
+        time.sleep(0.002)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    resumed = project.run("+job=t", check=0)
+    assert "resuming from step 20" in resumed.stdout + resumed.stderr
+    client, runs = mlflow_runs(project)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert_one_point_per_step(client, runs[0].info.run_id, "loss", range(1, 61))
+    assert_one_point_per_step(client, runs[0].info.run_id, "train_loss", range(10, 61, 10))

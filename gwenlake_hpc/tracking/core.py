@@ -308,6 +308,10 @@ def _iter_spool(path: Path) -> Iterator[tuple[Point | None, int]]:
     with open(path, "rb") as f:
         offset = 0
         for raw in f:
+            if not raw.endswith(b"\n"):
+                # Unterminated last line: an append in progress (make_durable from another thread) or
+                # torn by a crash; the next append terminates a torn one, which is then malformed.
+                return
             offset += len(raw)
             if not raw.strip():
                 continue
@@ -652,7 +656,11 @@ def _deliver_spool(
         logger.warning("tracking: skipped %d malformed line(s) in %s", malformed, path)
     with lock:
         if not abandoned():
-            path.unlink(missing_ok=True)
+            # Points appended meanwhile (Tracker.make_durable) stay; what was delivered goes.
+            if path.exists() and path.stat().st_size > last_end:
+                _rewrite_spool_tail(path, last_end)
+            else:
+                path.unlink(missing_ok=True)
     return delivered
 
 
@@ -861,6 +869,38 @@ class Tracker:
         self._wake.set()
         with self._durable_cv:
             return self._durable_cv.wait_for(lambda: self._durable >= target, timeout=max(timeout_s, 0.0))
+
+    def make_durable(self, timeout_s: float = 5.0) -> bool:
+        """Make every point logged so far durable: delivered, or written to the spool and fsynced.
+
+        The Run calls it before it seals a checkpoint, so that no point at or before the checkpoint's step
+        can be lost by a later SIGKILL (the steps after it are replayed on resume and logged again). Waits
+        up to ``timeout_s`` seconds for the delivery thread (:meth:`flush`); if it is still busy (a slow or
+        hung server, a store being created), the points it holds and those still queued are appended to the
+        spool here. A point that is then also delivered by the thread is dropped at the next delivery of the
+        spool (every delivery is filtered against the server's marks), so none is stored twice.
+
+        Returns:
+            True when everything was delivered or spooled; False only when the spool cannot be written
+            (the points stay in memory, with a warning).
+        """
+        if self._closed:
+            return False
+        if self.flush(timeout_s):
+            return True
+        with self._io_lock:
+            if self._abandoned:
+                return False
+            self._take_queue()
+            try:
+                _append_spool(self._spool_path, self._pending)  # a copy: the thread may be sending them
+            except OSError as exc:
+                logger.warning("tracking: cannot write %s (%s); points since the last delivery are in memory only",
+                               self._spool_path, exc)
+                return False
+            self._spool_maybe = True
+        logger.info("tracking: MLflow is slow to answer; points up to now are kept in %s", self._spool_path)
+        return True
 
     def _note_durable(self) -> None:
         with self._io_lock:
@@ -1253,6 +1293,10 @@ class NullTracker:
         return False
 
     def flush(self, timeout_s: float = 5.0) -> bool:
+        """Return True: nothing is waiting."""
+        return True
+
+    def make_durable(self, timeout_s: float = 5.0) -> bool:
         """Return True: nothing is waiting."""
         return True
 
