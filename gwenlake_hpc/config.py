@@ -23,6 +23,13 @@ class Resume(str, Enum):
     never = "never"
 
 
+class OnNonFinite(str, Enum):
+    """``stop``: a non-finite loss ends the run with exit 1 (default); ``warn``: log a warning and go on."""
+
+    stop = "stop"
+    warn = "warn"
+
+
 @dataclass
 class PathsConfig:
     """Where data, runs and models live.
@@ -63,6 +70,7 @@ class JobConfig:
         target: the decorated function, ``package.module:function`` or ``path/to/file.py:function``.
         steps, epochs, eval_every, seed, model, tracking: override the decorator's settings (None keeps them).
         resume: ``auto`` or ``never``.
+        on_nonfinite: ``stop`` (a NaN or infinite loss ends the run with exit 1) or ``warn``.
         params: hyperparameters passed as ``config`` (checked against the function's dataclass if annotated).
     """
 
@@ -74,6 +82,7 @@ class JobConfig:
     model: Optional[str] = None
     tracking: Optional[bool] = None
     resume: Resume = Resume.auto
+    on_nonfinite: OnNonFinite = OnNonFinite.stop
     params: Dict[str, Any] = field(default_factory=dict)
 
 

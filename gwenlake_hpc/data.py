@@ -231,6 +231,13 @@ def write_dataset(
     """
     path = dataset_path(data_root, name)
     norm, _ = _normalize_columns(columns)
+    for col, arr in norm.items():  # a NaN label or feature makes every loss over it NaN: say so now
+        if arr.dtype.kind in "fc":
+            bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+            if bad:
+                log.warning("dataset %s: column %r holds %d NaN or infinite value(s) in %d row(s); a loss over "
+                               "them is NaN (the run stops there): drop or impute them before training", name, col,
+                               bad, len(arr))
     user_attrs: dict[str, str] = {}
     for key, value in (attrs or {}).items():
         if not isinstance(key, str) or key in RESERVED_ATTRS:

@@ -32,3 +32,7 @@ class DataError(ConfigError):
 
 class CheckpointError(GwenlakeError):
     """A checkpoint could not be written or read."""
+
+
+class NonFiniteError(GwenlakeError):
+    """A loss became NaN or infinite (``job.on_nonfinite=stop``, the default): the run ends with exit 1."""

@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -29,7 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from . import __version__
 from .api import Input, Model, Output, TrainFunction
 from .data import Catalog
-from .errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError
+from .errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, NonFiniteError
 from .fsutil import read_json, write_json_atomic
 from .checkpoint import CheckpointStore, DamagedFileError
 from .distributed import Dist
@@ -192,6 +193,7 @@ class JobPlan:
     seed: int
     run_name: str
     resume: str
+    on_nonfinite: str
     config_obj: Any
     params: dict[str, Any]
     tracking_uri: str | None
@@ -231,6 +233,9 @@ def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
     tf = load_target(job.target)
     d = tf.defaults
     resume = job.get("resume", "auto")
+    on_nonfinite = str(getattr(job.get("on_nonfinite", "stop"), "value", job.get("on_nonfinite", "stop")))
+    if on_nonfinite not in ("stop", "warn"):
+        raise ConfigError(f"job.on_nonfinite={on_nonfinite!r}: use stop (a NaN loss ends the run) or warn")
     params_cfg = OmegaConf.to_container(job.params, resolve=True) if job.get("params") is not None else {}
     config_obj, params = resolve_params(tf, params_cfg)
     seed = _setting(job, d, "seed")
@@ -266,7 +271,8 @@ def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
     _check_settings(cfg, steps, epochs, eval_every)
     key = make_run_key(tf.output.name, run_name, params, seed, datasets, model_versions)
     return JobPlan(cfg=cfg, tf=tf, steps=steps, epochs=epochs, eval_every=eval_every, seed=seed, run_name=run_name,
-                   resume=str(getattr(resume, "value", resume)), config_obj=config_obj, params=params,
+                   resume=str(getattr(resume, "value", resume)), on_nonfinite=on_nonfinite,
+                   config_obj=config_obj, params=params,
                    tracking_uri=tracking_uri, runs_root=runs_root, repo_path=repo_path, inputs=inputs,
                    datasets=datasets, dataset_facts=dataset_facts, model_versions=model_versions, key=key,
                    run_dir=runs_root / tf.output.name / key)
@@ -464,7 +470,8 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
         seed_everything(seed + d.rank)
         try:
             return Run(run_dir=run_dir, run_key=key, steps=steps, epochs=epochs, eval_every=eval_every, seed=seed,
-                       tracker=tracker, stop=stop, resume=p.resume, progress=launcher.get("progress", "auto"),
+                       tracker=tracker, stop=stop, resume=p.resume, on_nonfinite=p.on_nonfinite,
+                       progress=launcher.get("progress", "auto"),
                        progress_every_s=float(launcher.get("progress_every_s", 30.0)), dist=d)
         except BaseException:
             tracker.close()
@@ -496,6 +503,11 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
             run.wait_for_checkpoint(raise_error=False)
             tracker.finish("FAILED", timeout_s=finish_timeout)
             raise
+        except NonFiniteError as exc:
+            log.error("%s", exc)
+            run.wait_for_checkpoint(raise_error=False)
+            tracker.finish("FAILED", timeout_s=finish_timeout)
+            return JobResult(EXIT_FAILED, None, run_dir, run.step)
         except Exception:
             log.error("the training function raised at step %d:\n%s", run.step, traceback.format_exc())
             run.wait_for_checkpoint(raise_error=False)  # the checkpoint in flight is still sealed
@@ -577,8 +589,10 @@ def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any
             message=f"{model_name}: {run_name} at step {run.step}\n\n"
                     + "".join(f"{k}: {v:.6g}\n" for k, v in sorted(metrics.items())),
             code_commit=code.commit if same_repo else None,
-            extra_files={"metrics.json": (json.dumps(metrics, indent=2, sort_keys=True) + "\n").encode(),
-                         "lineage.json": (json.dumps(lineage, indent=2, sort_keys=True, default=str) + "\n").encode()},
+            extra_files={"metrics.json": (json.dumps(finite_json(metrics), indent=2, sort_keys=True, allow_nan=False)
+                                          + "\n").encode(),
+                         "lineage.json": (json.dumps(finite_json(lineage), indent=2, sort_keys=True, default=str,
+                                                     allow_nan=False) + "\n").encode()},
         )
     except Exception as exc:
         log.error("the model could not be committed (%s); its files are kept in %s: commit them with "
@@ -587,7 +601,8 @@ def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any
         return JobResult(EXIT_FAILED, None, run_dir, run.step)
     # Registry, alias 'candidate', push: each failure only logs a warning (after_commit never raises).
     after_commit(repo=repo, model_name=model_name, version=version, out_dir=out_dir, lineage=lineage,
-                 tracking_uri=p.tracking_uri if tracking_on else None, run_id=tracker.run_id if tracking_on else None)
+                 tracking_uri=p.tracking_uri if tracking_on else None, run_id=tracker.run_id if tracking_on else None,
+                 metrics=metrics)
 
     tracker.set_tags({"gwenlake.version": version})
     info["completed"] = {"steps": steps, "epochs": epochs, "final_step": run.step, "version": version,
@@ -597,6 +612,18 @@ def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any
     tracker.finish("FINISHED", timeout_s=min(finish_timeout, 5.0) if stop.requested else finish_timeout)
     print(f"model {model_name} version {version}", flush=True)
     return JobResult(0, version, run_dir, run.step)
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by its name (``"nan"``, ``"inf"``, ``"-inf"``):
+    JSON has no such numbers, and Python's ``NaN`` token makes the file unreadable to other parsers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
 
 
 def _code_patch() -> dict[str, Any]:

@@ -28,6 +28,7 @@ import getpass
 import importlib
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -517,13 +518,13 @@ def _redact(uri: str) -> str:
 
 
 def after_commit(*, repo: Any, model_name: str, version: str, out_dir: Path, lineage: Mapping[str, Any],
-                 tracking_uri: str | None, run_id: str | None) -> None:
+                 tracking_uri: str | None, run_id: str | None, metrics: Mapping[str, float] | None = None) -> None:
     """What a finished training does after its commit; each step only warns when it fails.
 
     1. Push the model's versions to ``git config gwenlake.remote`` of the model repository, when set.
     2. Register the version in the MLflow Model Registry (when tracking is on and the run exists).
-    3. Point the alias ``candidate`` at it (git alias log, mirrored in MLflow). Only ``models promote`` sets
-       ``champion``.
+    3. Point the alias ``candidate`` at it (git alias log, mirrored in MLflow), unless one of its ``metrics``
+       is NaN or infinite. Only ``models promote`` sets ``champion``.
     Never raises: the commit is what matters, and the files stay in ``out_dir`` whatever happens here.
     """
     tags = {}
@@ -542,13 +543,18 @@ def after_commit(*, repo: Any, model_name: str, version: str, out_dir: Path, lin
             log.warning("could not register %s version %s in the MLflow Model Registry (%s); the version is "
                         "committed, register it later with `python -m gwenlake_hpc models register %s %s`",
                         model_name, version[:12], exc, model_name, version)
-    try:
-        move_alias(model_name, CANDIDATE, version, repo=repo, action="train",
-                   reason=f"trained by run {lineage.get('run_key')}")
-        if registered:
-            mlflow_set_alias(tracking_uri, model_name, CANDIDATE, version)  # type: ignore[arg-type]
-    except Exception as exc:  # noqa: BLE001
-        log.warning("could not set alias %s of %s to %s: %s", CANDIDATE, model_name, version[:12], exc)
+    bad = {k: v for k, v in (metrics or {}).items() if not math.isfinite(float(v))}
+    if bad:
+        log.warning("%s version %s has non-finite metrics (%s): the alias %s is not moved to it", model_name,
+                    version[:12], ", ".join(f"{k}={v}" for k, v in sorted(bad.items())), CANDIDATE)
+    else:
+        try:
+            move_alias(model_name, CANDIDATE, version, repo=repo, action="train",
+                       reason=f"trained by run {lineage.get('run_key')}")
+            if registered:
+                mlflow_set_alias(tracking_uri, model_name, CANDIDATE, version)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not set alias %s of %s to %s: %s", CANDIDATE, model_name, version[:12], exc)
     try:
         remote = _repo(repo).git.config("--get", "gwenlake.remote")
     except Exception:  # not set

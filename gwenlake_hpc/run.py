@@ -26,7 +26,7 @@ import torch
 from .checkpoint import (BackgroundWriter, BufferPool, Checkpoint, CheckpointStore, PendingCheckpoint,
                          rank_state_name)
 from .distributed import Dist
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, NonFiniteError
 from .progress import Progress
 from .signals import StopRequest
 
@@ -156,6 +156,8 @@ class Run:
             a single process.
         checkpoint_async: default of ``run.checkpoint(sync=...)``; None reads ``GWENLAKE_CHECKPOINT_ASYNC``
             (on unless it is ``0``, ``false``, ``no`` or ``off``).
+        on_nonfinite: ``stop``: :meth:`log` of a NaN or infinite loss (a metric whose name contains
+            ``loss``) raises :class:`NonFiniteError`; ``warn``: a warning, once per metric.
 
     Attributes read by user code: ``resumed``, ``resume_path``, ``start_step``, ``step``, ``epoch``,
     ``at_eval``, ``stopping``, ``evicted``, ``total_steps``, ``run_dir``, ``seed``, ``rank``, ``world_size``,
@@ -170,7 +172,8 @@ class Run:
 
     def __init__(self, *, run_dir: Path, run_key: str, steps: int | None, epochs: int | None, eval_every: int,
                  seed: int, tracker: Any, stop: StopRequest, resume: str = "auto", progress: str = "auto",
-                 progress_every_s: float = 30.0, dist: Dist | None = None, checkpoint_async: bool | None = None):
+                 progress_every_s: float = 30.0, dist: Dist | None = None, checkpoint_async: bool | None = None,
+        on_nonfinite: str = "stop"):
         if steps is not None and steps < 0:
             raise ConfigError(f"job.steps={steps}: must be >= 0")
         if epochs is not None and epochs < 1:
@@ -225,6 +228,10 @@ class Run:
         self._summary: dict[str, float] = {}
         self._progress: Progress | None = None
         self.checkpoint_async = async_default() if checkpoint_async is None else bool(checkpoint_async)
+        if on_nonfinite not in ("stop", "warn"):
+            raise ConfigError(f"job.on_nonfinite={on_nonfinite!r}: use stop or warn")
+        self._on_nonfinite = on_nonfinite
+        self._warned_nonfinite: set[str] = set()
         self._writer = BackgroundWriter()
         self._buffers = BufferPool()
 
@@ -420,6 +427,9 @@ class Run:
     def log(self, metrics: Mapping[str, Any], step: int | None = None, tags: Mapping[str, Any] | None = None) -> None:
         """Record metric values for a step (default: the current step); never blocks on tracking.
 
+        A NaN or infinite value of a loss (a name containing ``loss``) ends the run (``job.on_nonfinite=stop``,
+        the default) before the step's checkpoint can hold diverged weights; other metrics only warn.
+
         Args:
             metrics: name -> number (Python float/int, numpy scalar or one-element tensor; note that reading
                 a CUDA tensor synchronises the device).
@@ -432,10 +442,30 @@ class Run:
         values = {}
         for k, v in metrics.items():
             values[f"{k}{suffix}"] = float(v.item() if hasattr(v, "item") else v)
+        for k, v in values.items():
+            if not math.isfinite(v):
+                self._non_finite(k, v, step)
         self._summary.update(values)
         if self._progress is not None and "loss" in values:
             self._progress.loss = values["loss"]
         self.tracker.log_metrics(values, step)
+
+    def _non_finite(self, key: str, value: float, step: int) -> None:
+        """A metric is NaN or infinite: stop on a loss (unless ``warn``), warn once otherwise.
+
+        Raises:
+            NonFiniteError: a loss, with ``on_nonfinite="stop"``; the message names metric, step, the
+                newest checkpoint (kept) and the setting that lets the run go on.
+        """
+        if "loss" in key.lower() and self._on_nonfinite == "stop":
+            ck = self.wait_for_checkpoint(raise_error=False)
+            raise NonFiniteError(
+                f"metric {key!r} is {value} at step {step}: the training diverged or its data holds NaN; the "
+                f"newest checkpoint ({ck.path if ck else 'none'}) is kept. Lower the learning rate or clean the "
+                "data, or set job.on_nonfinite=warn to go on anyway")
+        if key not in self._warned_nonfinite:
+            self._warned_nonfinite.add(key)
+            log.warning("metric %r is %s at step %d (and may be again: warned once)", key, value, step)
 
     def summary(self) -> dict[str, float]:
         """The latest value of every metric logged in this process, plus ``step`` (the last step done).

@@ -8,6 +8,7 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_SLEEP=s            sleep s seconds per step
   GWL_TEST_BAD=escape|column|raise  misuse the API on purpose, or raise at step 5
   GWL_TEST_NOTE=1             write output.path / "note.txt" directly (not through output.file)
+  GWL_TEST_NAN_AT=k           the loss of step k is NaN (before backward: the weights turn NaN too)
   GWL_TEST_EXTRA_MB=m[:k]     checkpoints carry an extra float32 tensor of m MiB (from step k on), filled with
                               the step (no RNG drawn, so the training is the same as without it)
 """
@@ -57,8 +58,11 @@ def fit(data, output, run, config: Params):
     extra_mb, _, extra_from = os.environ.get("GWL_TEST_EXTRA_MB", "0").partition(":")
     blob = torch.empty(int(float(extra_mb) * 2**20) // 4) if float(extra_mb) else None
     columns = ["x", "y", "nope"] if os.environ.get("GWL_TEST_BAD") == "column" else ["x", "y"]
+    nan_at = int(os.environ.get("GWL_TEST_NAN_AT", "-1"))
     for step, batch in run.steps(data.batches(config.batch_size, columns=columns)):
         loss = nn.functional.mse_loss(net(batch["x"]).squeeze(-1), batch["y"])
+        if step == nan_at:
+            loss = loss * float("nan")
         opt.zero_grad()
         loss.backward()
         opt.step()

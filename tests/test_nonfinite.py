@@ -1,0 +1,82 @@
+"""Non-finite values: a NaN loss stops the run, never bare NaN in JSON, no candidate for NaN metrics, NaN data reported."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+
+from gwenlake_hpc.data import write_dataset
+from gwenlake_hpc.errors import NonFiniteError
+from gwenlake_hpc.job import finite_json
+from gwenlake_hpc.run import Run
+from gwenlake_hpc.signals import StopRequest
+from gwenlake_hpc.tracking import NullTracker
+
+
+def make_run(tmp_path, **kw):
+    return Run(run_dir=tmp_path / "run", run_key="k", steps=20, epochs=None, eval_every=10, seed=0,
+               tracker=NullTracker(), stop=StopRequest(), progress="off", **kw)
+
+
+def test_nan_loss_stops_and_other_metrics_warn_once(tmp_path, caplog):
+    run = make_run(tmp_path)
+    with pytest.raises(NonFiniteError, match=r"metric 'train/loss' is nan at step 3.*job.on_nonfinite=warn"):
+        for step, _ in run.steps():
+            run.log({"auc": float("nan")})
+            run.log({"train/loss": 1.0 if step < 3 else float("nan")})
+    assert sum("'auc' is nan" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_warn_setting_goes_on(tmp_path, caplog):
+    run = make_run(tmp_path, on_nonfinite="warn")
+    caplog.set_level(logging.WARNING)
+    for step, _ in run.steps():
+        run.log({"loss": float("inf") if step > 5 else 1.0})
+    assert run.step == 20
+    assert sum("'loss' is inf at step 6" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_finite_json():
+    doc = finite_json({"a": float("nan"), "b": [1.0, float("-inf")], "c": {"d": float("inf")}, "e": 2})
+    assert json.loads(json.dumps(doc, allow_nan=False)) == {"a": "nan", "b": [1.0, "-inf"], "c": {"d": "inf"}, "e": 2}
+
+
+def test_nan_in_a_dataset_is_reported_when_written(tmp_path, caplog):
+    y = np.ones(10, dtype=np.float32)
+    y[[2, 7]] = np.nan
+    write_dataset(tmp_path, "g.d", {"x": np.zeros((10, 3), dtype=np.float32), "y": y})
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("column 'y' holds 2 NaN or infinite value(s) in 10 row(s)" in m for m in msgs), msgs
+    assert not any("'x'" in m for m in msgs)
+
+
+@pytest.mark.slow
+def test_nan_loss_in_a_job_exits_1_keeps_the_checkpoint_and_commits_nothing(project):
+    from test_job import mlflow_runs, run_dir_of
+
+    failed = project.run("+job=t", env={"GWL_TEST_NAN_AT": "25"})
+    log = failed.stdout + failed.stderr
+    assert failed.returncode == 1, log
+    assert "metric 'loss' is nan at step 25" in log and "step-000000020" in log
+    assert "model t.model version" not in failed.stdout
+    assert sorted(p.name for p in (run_dir_of(project) / "checkpoints").glob("step-*")) == \
+        ["step-000000010", "step-000000020"]
+    _, runs = mlflow_runs(project)
+    assert [r.info.status for r in runs] == ["FAILED"]
+
+
+@pytest.mark.slow
+def test_warned_nan_model_is_committed_with_valid_json_and_no_candidate(project):
+    done = project.run("+job=t", "job.on_nonfinite=warn", env={"GWL_TEST_NAN_AT": "25"}, check=0)
+    sha = done.stdout.strip().splitlines()[-1].rsplit(" ", 1)[1]
+    metrics = json.loads(project.git("show", f"{sha}:t/model/metrics.json"))
+    assert metrics == {"final_loss": "nan"}
+    json.loads(project.git("show", f"{sha}:t/model/lineage.json"))
+    assert "has non-finite metrics (final_loss=nan): the alias candidate is not moved" in done.stdout + done.stderr
+    listing = project.run("models", "list", "t.model", check=0).stdout
+    assert "candidate" not in listing
+    assert math.isnan(float(metrics["final_loss"]))
