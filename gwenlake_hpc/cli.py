@@ -7,6 +7,7 @@ Sub-commands (``data``, ``tracking``, ``models``) are dispatched before Hydra re
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -128,7 +129,17 @@ def run_subcommand(argv: Sequence[str]) -> int:
             res = tracking_sync(state, uri=args.uri, timeout_s=args.timeout)
             print(f"run {res['run_id']}: delivered {res['delivered']} points, {res['remaining']} remaining, "
                   f"status {res['status'] or 'unchanged'}")
-            return 0 if res["remaining"] == 0 else 1
+            from .registry import PENDING_REGISTRATIONS, complete_pending_registrations
+
+            pending = (state / PENDING_REGISTRATIONS).is_file()
+            if pending:
+                from .tracking import validate_uri
+
+                uri = args.uri or (json.loads((state / "tracking.json").read_text()).get("uri"))
+                for version in complete_pending_registrations(state, validate_uri(uri)):
+                    print(f"registered version {version}")
+            left = (state / PENDING_REGISTRATIONS).is_file()
+            return 0 if res["remaining"] == 0 and not left else 1
         if args.command == "models":
             from .registry import models_command
 

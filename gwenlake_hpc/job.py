@@ -564,6 +564,8 @@ def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any
         tracker.finish("FAILED", timeout_s=finish_timeout)
         raise ConfigError(f"{tf.target} returned {result!r}: return a dict of numbers (or None)") from exc
     tracker.log_metrics(metrics, run.step)
+    if tracking_on and tracker.run_id is None:  # short runs, a slow store: the version should name its run
+        tracker.wait_attached(min(finish_timeout, 30.0))
 
     lineage = {
         "model": model_name, "run_name": run_name, "run_key": key, "target": tf.target,
@@ -571,7 +573,9 @@ def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any
         "code": {"commit": code.commit, "dirty": code.dirty, "repo": str(code.repo_root) if code.repo_root else None,
                  **_code_patch()},
         "config": {"params": params, "seed": seed, "steps": steps, "epochs": epochs, "eval_every": eval_every},
-        "tracking": {"run_id": tracker.run_id, "experiment": model_name} if tracking_on else None,
+        # run_id None: not attached in time; state_dir/run_id names it once it exists (models register).
+        "tracking": {"run_id": tracker.run_id, "experiment": model_name, "state_dir": str(tracker.state_dir)}
+        if tracking_on else None,
         "final_step": run.step,
         "starts": info["starts"],
         "packages": _package_versions(),
@@ -602,7 +606,7 @@ def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any
     # Registry, alias 'candidate', push: each failure only logs a warning (after_commit never raises).
     after_commit(repo=repo, model_name=model_name, version=version, out_dir=out_dir, lineage=lineage,
                  tracking_uri=p.tracking_uri if tracking_on else None, run_id=tracker.run_id if tracking_on else None,
-                 metrics=metrics)
+                 metrics=metrics, state_dir=tracker.state_dir if tracking_on else None)
 
     tracker.set_tags({"gwenlake.version": version})
     info["completed"] = {"steps": steps, "epochs": epochs, "final_step": run.step, "version": version,

@@ -438,6 +438,52 @@ def load_model(name: str, version: str | None = None, *, alias: str | None = Non
 
 # --- MLflow Model Registry ------------------------------------------------------------------------------------
 
+def _add_pending(state_dir: Path, entry: Mapping[str, str]) -> None:
+    from .fsutil import read_json, write_json_atomic
+
+    path = Path(state_dir) / PENDING_REGISTRATIONS
+    todo = [e for e in (read_json(path, default=None) or []) if e.get("version") != entry["version"]]
+    write_json_atomic(path, todo + [dict(entry)])
+
+
+def complete_pending_registrations(state_dir: str | os.PathLike[str], tracking_uri: str) -> list[str]:
+    """Register the versions a training committed but could not register (``pending_registrations.json``).
+
+    Each is registered with the run id now in ``<state_dir>/run_id`` (created or attached by ``tracking
+    sync``), its git aliases mirrored to MLflow, and taken off the list. Returns the versions registered;
+    those that fail stay listed (with a warning).
+    """
+    from .fsutil import read_json, write_json_atomic
+
+    state_dir = Path(state_dir)
+    path = state_dir / PENDING_REGISTRATIONS
+    todo = read_json(path, default=None) or []
+    run_file = state_dir / "run_id"
+    run_id = run_file.read_text().strip() if run_file.is_file() else None
+    done, left = [], []
+    for entry in todo:
+        try:
+            if not run_id:
+                raise GwenlakeError("the training's MLflow run does not exist yet")
+            m = load_model(entry["model"], entry["version"], repo=entry.get("repo"))
+            extra = {rel: read_file(entry.get("repo"), entry["model"], entry["version"], rel)
+                     for rel in ("metrics.json", "lineage.json")}
+            register_version(tracking_uri, entry["model"], m.version, run_id, m.path,
+                             {"gwenlake.code_commit": str((m.lineage.get("code") or {}).get("commit"))}, extra)
+            for alias, sha in current_aliases(entry["model"], entry.get("repo")).items():
+                if sha == m.version:
+                    mlflow_set_alias(tracking_uri, entry["model"], alias, sha)
+            done.append(m.version)
+        except Exception as exc:  # noqa: BLE001 - kept on the list, said why
+            log.warning("could not register %s version %s yet: %s", entry.get("model"), entry.get("version"), exc)
+            left.append(entry)
+    if left:
+        write_json_atomic(path, left)
+    else:
+        path.unlink(missing_ok=True)
+    return done
+
+
 def _client(tracking_uri: str) -> Any:
     # No MLflow retry loop (minutes with backoff): a tracking outage must not hold a training or a promote.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -517,12 +563,20 @@ def _redact(uri: str) -> str:
     return _redact_uri(uri)
 
 
+#: In a run's tracking state folder: versions committed but not registered yet (a JSON list).
+PENDING_REGISTRATIONS = "pending_registrations.json"
+
+
 def after_commit(*, repo: Any, model_name: str, version: str, out_dir: Path, lineage: Mapping[str, Any],
-                 tracking_uri: str | None, run_id: str | None, metrics: Mapping[str, float] | None = None) -> None:
+                 tracking_uri: str | None, run_id: str | None, metrics: Mapping[str, float] | None = None,
+                 state_dir: Path | None = None) -> None:
     """What a finished training does after its commit; each step only warns when it fails.
 
     1. Push the model's versions to ``git config gwenlake.remote`` of the model repository, when set.
-    2. Register the version in the MLflow Model Registry (when tracking is on and the run exists).
+    2. Register the version in the MLflow Model Registry (when tracking is on and the run exists). When it
+       cannot be (no MLflow run attached yet, MLflow unreachable), the version goes on the to-do list
+       ``<state_dir>/pending_registrations.json`` with a warning naming the command that completes it
+       (``tracking sync RUN_DIR``, which :func:`complete_pending_registrations`).
     3. Point the alias ``candidate`` at it (git alias log, mirrored in MLflow), unless one of its ``metrics``
        is NaN or infinite. Only ``models promote`` sets ``champion``.
     Never raises: the commit is what matters, and the files stay in ``out_dir`` whatever happens here.
@@ -534,15 +588,26 @@ def after_commit(*, repo: Any, model_name: str, version: str, out_dir: Path, lin
     for n, d in (lineage.get("datasets") or {}).items():
         tags[f"gwenlake.dataset.{n}"] = f"{d.get('name')}@{d.get('revision')}"
     registered = False
+    why = "no MLflow run is attached to the training yet"
     if tracking_uri and run_id:
         try:
             extra = {rel: read_file(repo, model_name, version, rel) for rel in ("metrics.json", "lineage.json")}
             register_version(tracking_uri, model_name, version, run_id, out_dir, tags, extra)
             registered = True
         except Exception as exc:  # noqa: BLE001 - a tracking outage never fails a training
-            log.warning("could not register %s version %s in the MLflow Model Registry (%s); the version is "
-                        "committed, register it later with `python -m gwenlake_hpc models register %s %s`",
-                        model_name, version[:12], exc, model_name, version)
+            why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    if tracking_uri and not registered:
+        todo = f"`python -m gwenlake_hpc models register {model_name} {version}`"
+        if state_dir is not None:
+            try:
+                _add_pending(state_dir, {"model": model_name, "version": version,
+                                         "repo": str(_repo(repo).working_dir)})
+                run_dir = state_dir.parent if state_dir.name.startswith("tracking") else state_dir
+                todo = f"`python -m gwenlake_hpc tracking sync {run_dir}`"
+            except OSError as exc:
+                log.warning("could not record the pending registration in %s: %s", state_dir, exc)
+        log.warning("%s version %s is committed but not registered in the MLflow Model Registry (%s); %s "
+                    "registers it once MLflow answers", model_name, version[:12], why, todo)
     bad = {k: v for k, v in (metrics or {}).items() if not math.isfinite(float(v))}
     if bad:
         log.warning("%s version %s has non-finite metrics (%s): the alias %s is not moved to it", model_name,
@@ -656,7 +721,11 @@ def models_command(args: Any) -> int:
     uri = default_tracking_uri(getattr(args, "tracking_uri", None))
     if args.action == "register":
         m = load_model(args.name, args.version, repo=repo)
-        run_id = (m.lineage.get("tracking") or {}).get("run_id")
+        tracking = m.lineage.get("tracking") or {}
+        run_id = tracking.get("run_id")
+        if not run_id and tracking.get("state_dir"):  # committed before its MLflow run was attached
+            run_file = Path(tracking["state_dir"]) / "run_id"
+            run_id = run_file.read_text().strip() if run_file.is_file() else None
         if not uri or not run_id:
             raise ConfigError(f"version {m.version[:12]} of {args.name} has no tracking run or no tracking URI is "
                               "known (--tracking-uri URI or MLFLOW_TRACKING_URI); registration needs both")

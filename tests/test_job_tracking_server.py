@@ -87,3 +87,29 @@ def test_server_down_at_end_then_tracking_sync(project, server):
     client, run = the_run(server)
     assert run.info.status == "FINISHED"
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 121))
+
+
+def test_server_down_for_the_whole_run_then_sync_registers_the_version(project, server):
+    """No MLflow run is ever attached during the training: the version is committed with its run pending, listed
+    in pending_registrations.json with the command that completes it, and `tracking sync` registers it."""
+    server.stop(kill=True)
+    done = project.run("+job=t", "job.steps=30", f"tracking.uri={server.uri}", "tracking.finish_timeout_s=3",
+                       check=0, timeout=600)
+    log = done.stdout + done.stderr
+    version = done.stdout.strip().splitlines()[-1].split()[-1]
+    run_dir = next((project.root / "runs" / "t.model").iterdir())
+    assert f"is committed but not registered in the MLflow Model Registry" in log, log
+    assert f"python -m gwenlake_hpc tracking sync {run_dir}" in log
+    lineage = __import__("json").loads(project.git("show", f"{version}:t/model/lineage.json"))
+    assert lineage["tracking"]["run_id"] is None and lineage["tracking"]["state_dir"] == str(run_dir / "tracking")
+    pending = __import__("json").loads((run_dir / "tracking" / "pending_registrations.json").read_text())
+    assert [e["version"] for e in pending] == [version]
+
+    server.start()
+    synced = project.run("tracking", "sync", str(run_dir), check=0, timeout=600)
+    assert f"registered version {version}" in synced.stdout, synced.stdout + synced.stderr
+    assert not (run_dir / "tracking" / "pending_registrations.json").exists()
+    client, run = the_run(server)
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 31))
+    mv = client.get_model_version_by_alias("t.model", "candidate")
+    assert mv.tags["gwenlake.version"] == version and mv.run_id == run.info.run_id
