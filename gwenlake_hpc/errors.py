@@ -36,3 +36,12 @@ class CheckpointError(GwenlakeError):
 
 class NonFiniteError(GwenlakeError):
     """A loss became NaN or infinite (``job.on_nonfinite=stop``, the default): the run ends with exit 1."""
+
+
+class CheckpointFormatError(ConfigError):
+    """A checkpoint manifest or state file was written by a newer gwenlake_hpc, in a format (or with a digest
+    algorithm) this version cannot read.
+
+    A requeued job pinned to an older commit can meet a checkpoint written by a newer one; it stops with exit
+    2 and names the writer instead of loading it wrongly.
+    """

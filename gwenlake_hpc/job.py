@@ -36,7 +36,7 @@ from .checkpoint import CheckpointStore, DamagedFileError
 from .distributed import Dist
 from .distributed import setup as setup_distributed
 from .distributed import teardown as teardown_distributed
-from .run import Run, seed_everything
+from .run import Run, async_default, seed_everything
 from .signals import StopRequest, shield_children
 from .tracking import NullTracker, Tracker, default_uri, flatten, is_sqlite, state_dir_for, validate_uri
 from .registry import after_commit, serving_info
@@ -233,6 +233,7 @@ def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
     tf = load_target(job.target)
     d = tf.defaults
     resume = job.get("resume", "auto")
+    async_default()  # GWENLAKE_CHECKPOINT_ASYNC is checked before anything is written
     on_nonfinite = str(getattr(job.get("on_nonfinite", "stop"), "value", job.get("on_nonfinite", "stop")))
     if on_nonfinite not in ("stop", "warn"):
         raise ConfigError(f"job.on_nonfinite={on_nonfinite!r}: use stop (a NaN loss ends the run) or warn")

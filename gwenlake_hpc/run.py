@@ -234,6 +234,7 @@ class Run:
         self._warned_nonfinite: set[str] = set()
         self._writer = BackgroundWriter()
         self._buffers = BufferPool()
+        self._in_checkpoint = False
 
     @property
     def is_main(self) -> bool:
@@ -411,6 +412,8 @@ class Run:
                         log.warning("stopped at step %d without a checkpoint of it: write one when run.at_eval "
                                     "is true, or the work since the last checkpoint is redone", step)
                     break
+        except KeyboardInterrupt:
+            raise  # a second Ctrl-C: at once, without waiting for a write in flight (its partial is cleaned later)
         except BaseException:
             self._writer.wait(raise_error=False)  # the checkpoint in flight is still sealed; the error wins
             raise
@@ -538,6 +541,18 @@ class Run:
         if keep is not None and int(keep) < 1:
             raise ConfigError(f"run.checkpoint(keep={keep}): keep must be at least 1 (or None to keep all)")
         asynchronous = self.checkpoint_async if sync is None else not sync
+        if self._in_checkpoint:
+            raise ConfigError("run.checkpoint() blocks cannot be nested: write every file of the step in one block")
+        if self._checkpoint_step == self.step:
+            raise ConfigError(f"run.checkpoint() was already called at step {self.step}: one checkpoint a step "
+                              "(write every file of the step in one block)")
+        self._in_checkpoint = True
+        try:
+            yield from self._checkpoint(keep, asynchronous)
+        finally:
+            self._in_checkpoint = False
+
+    def _checkpoint(self, keep: int | None, asynchronous: bool) -> Iterator[CheckpointWriter]:
         if self.dist.enabled:
             with self._checkpoint_multi(keep, asynchronous) as writer:
                 yield writer
@@ -572,7 +587,11 @@ class Run:
             ck = pending.seal()
             self.latest_checkpoint = ck
             if keep is not None:
-                self.store.retain(int(keep), newest=ck.step)
+                try:
+                    self.store.retain(int(keep), newest=ck.step)
+                except OSError as exc:  # the new checkpoint is sealed: an old one left behind is no failure
+                    log.warning("checkpoint %s is sealed, but an older one could not be deleted (keep=%s): %s",
+                                ck.path.name, keep, exc)
             return ck
 
         if asynchronous:

@@ -245,3 +245,85 @@ def test_format_1_manifest_with_sha256_still_loads(tmp_path):
     load_state(ck.path / "state.safetensors", model=model)  # verified with sha256 while read
     (ck.path / "state.safetensors").write_bytes(b"\0" * files["state.safetensors"]["size"])
     assert store.latest() is None  # format 1 files are all hashed up front
+
+
+def test_a_swallowed_write_error_still_fails_the_loop(tmp_path, monkeypatch):
+    run = make_run(tmp_path, steps=60)
+    model, opt = model_and_opt()
+    original = store_mod.PendingCheckpoint._seal
+
+    def failing(self):
+        if self.step == 20:
+            raise OSError(27, "File too large", str(self.dir / "state.safetensors"))
+        return original(self)
+
+    monkeypatch.setattr(store_mod.PendingCheckpoint, "_seal", failing)
+    swallowed = []
+    with pytest.raises(CheckpointError, match="step 20 could not be written"):
+        for step, _ in run.steps():
+            if run.at_eval:
+                try:  # a user who hides checkpoint errors: the loop itself still fails
+                    with run.checkpoint() as ck:
+                        save_state(ck.path("state.safetensors"), model=model, optimizer=opt)
+                except CheckpointError as exc:
+                    swallowed.append((step, str(exc)))
+    assert run.step <= 31 and [ck.step for ck in run.store.complete()] == [10]
+
+
+def test_old_checkpoint_that_cannot_be_deleted_is_only_a_warning(tmp_path, monkeypatch, caplog):
+    run = make_run(tmp_path, steps=30)
+    model, opt = model_and_opt()
+
+    def stuck(*a, **k):
+        raise PermissionError(1, "Operation not permitted", "step-000000010")
+
+    monkeypatch.setattr(run.store, "retain", stuck)
+    for step, _ in run.steps():
+        if run.at_eval:
+            with run.checkpoint(keep=1) as ck:
+                save_state(ck.path("state.safetensors"), model=model, optimizer=opt)
+    assert run.latest_checkpoint.step == 30
+    assert any("could not be deleted (keep=1)" in r.getMessage() for r in caplog.records)
+
+
+def test_misuse_of_checkpoint_blocks_is_refused_clearly(tmp_path):
+    run = make_run(tmp_path, steps=20)
+    model, _ = model_and_opt()
+    for step, _ in run.steps():
+        if step == 10:
+            with run.checkpoint() as ck:
+                kept = ck.path("s.safetensors")
+                save_state(kept, model=model)
+                with pytest.raises(Exception, match="cannot be nested"):
+                    with run.checkpoint():
+                        pass
+            with pytest.raises(Exception, match="after its `with run.checkpoint\\(\\)` block ended"):
+                ck.path("late.bin")
+            with pytest.raises(Exception, match="block has ended"):
+                save_state(kept, model=model)
+            with pytest.raises(Exception, match="already called at step 10"):
+                with run.checkpoint():
+                    pass
+    ck = run.store.latest()
+    assert ck.step == 10 and run.store.verify(ck, full=True) is None
+
+
+def test_names_that_collide_are_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="'extra.x.y'"):
+        save_state(tmp_path / "a.safetensors", extra={"x.y": torch.ones(2), "x": {"y": torch.zeros(2)}})
+    with pytest.raises(CheckpointError, match="'extra.d.0'"):
+        save_state(tmp_path / "b.safetensors", extra={"d": {0: torch.ones(2), "0": torch.zeros(2)}})
+
+
+def test_unknown_digest_algorithm_is_a_format_error(tmp_path):
+    store = write_checkpoints(tmp_path, steps=(10,))
+    ck = store.latest()
+    manifest = json.loads((ck.path / MANIFEST).read_text())
+    manifest["digest"] = "blake9"
+    (ck.path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointFormatError, match="'blake9' is unknown") as err:
+        store.latest()
+    assert err.value.exit_code == 2
+    manifest["files"] = None  # a hand-edited manifest that is not one: not a checkpoint
+    (ck.path / MANIFEST).write_text(json.dumps(manifest))
+    assert store.complete() == []

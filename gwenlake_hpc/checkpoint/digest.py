@@ -14,6 +14,8 @@ from typing import Any
 
 import xxhash
 
+from ..errors import CheckpointFormatError
+
 #: The algorithm new manifests record (``"digest": "xxh3_128"``).
 DEFAULT_ALGORITHM = "xxh3_128"
 _ALGORITHMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
@@ -25,12 +27,15 @@ def new_hasher(algorithm: str = DEFAULT_ALGORITHM) -> Any:
     """A fresh hasher (``update(bytes-like)``, ``hexdigest()``) for ``algorithm``.
 
     Raises:
-        ValueError: an algorithm this version does not know (a manifest from a newer gwenlake_hpc).
+        CheckpointFormatError (exit 2): an algorithm this version does not know (a manifest from a newer
+            gwenlake_hpc).
     """
     try:
         return _ALGORITHMS[algorithm]()
-    except KeyError:
-        raise ValueError(f"unknown digest algorithm {algorithm!r} (known: {', '.join(_ALGORITHMS)})") from None
+    except (KeyError, TypeError):
+        raise CheckpointFormatError(
+            f"checkpoint digest algorithm {algorithm!r} is unknown to this gwenlake_hpc (it knows "
+            f"{', '.join(_ALGORITHMS)}): the checkpoint was written by a newer version; run the job with it") from None
 
 
 def file_digest(path: str | os.PathLike, algorithm: str = DEFAULT_ALGORITHM) -> str:

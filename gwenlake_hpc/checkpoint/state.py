@@ -137,6 +137,9 @@ def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
 
 def _encode(value: Any, where: str, tensors: dict[str, torch.Tensor]) -> Any:
     """Replace tensors by references and make containers JSON-able without losing key or sequence types."""
+    if isinstance(value, (torch.Tensor, np.ndarray)) and where in tensors:
+        raise CheckpointError(f"two values would be stored under the name '{where}' (keys such as 'a.b' and "
+                              "{'a': {'b': ...}}, or 0 and '0', are joined the same way): rename one of them")
     if isinstance(value, torch.Tensor):
         tensors[where] = value.detach()
         return {"__tensor__": where}

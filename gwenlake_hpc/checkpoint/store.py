@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, CheckpointFormatError, ConfigError
 from ..fsutil import fsync_dir
 from .digest import DEFAULT_ALGORITHM, entry_digest, file_digest
 from .tensorfile import DamagedFileError, HostBuffer, Snapshot, write_tensors
@@ -97,14 +97,6 @@ def _fsync_path(path: Path, directory: bool = False) -> None:
         os.fsync(fh.fileno())
 
 
-class CheckpointFormatError(ConfigError):
-    """A manifest or state file was written by a newer gwenlake_hpc, in a format this version cannot read.
-
-    A requeued job pinned to an older commit can meet a checkpoint written by a newer one; it stops with exit
-    2 and names the writer instead of loading it wrongly.
-    """
-
-
 def writer_version() -> str:
     """``gwenlake_hpc <version>``, recorded in manifests and state files."""
     try:
@@ -130,14 +122,20 @@ _OPEN_LOCK = threading.Lock()
 
 
 def open_checkpoint_of(path: str | os.PathLike) -> "PendingCheckpoint | None":
-    """The checkpoint being written whose directory holds ``path`` (inside a ``with run.checkpoint()``), or None."""
-    if not _OPEN:
-        return None
+    """The checkpoint being written whose directory holds ``path`` (inside a ``with run.checkpoint()``), or None.
+
+    Raises:
+        ConfigError: ``path`` is inside a partial checkpoint whose block has ended (it is being sealed, or
+            was left by another process): a file written there now would not match its manifest.
+    """
     p = Path(path).absolute()
     with _OPEN_LOCK:
         for parent in p.parents:
             if parent in _OPEN:
                 return _OPEN[parent]
+    if any(_PARTIAL_RE.match(parent.name) for parent in p.parents):
+        raise ConfigError(f"{path} is inside a checkpoint whose `with run.checkpoint()` block has ended; write "
+                          "checkpoint files inside the block")
     return None
 
 
@@ -181,6 +179,7 @@ class PendingCheckpoint:
         self._snapshots: list[tuple[Path, Snapshot]] = []
         self._buffers = buffers
         self._registered: Path | None = None
+        self._closed = False
         self._discard = scratch is not None
         if scratch is not None:  # a rank other than 0: files go to a folder that is never sealed
             self.dir = Path(scratch)
@@ -211,6 +210,9 @@ class PendingCheckpoint:
         Raises:
             ConfigError: the name is absolute, escapes the checkpoint with ``..``, or is reserved.
         """
+        if self._closed:
+            raise ConfigError(f"ck.path({name!r}) after its `with run.checkpoint()` block ended: the checkpoint of "
+                              f"step {self.step} is being sealed; write every file inside the block")
         rel = Path(name)
         if rel.is_absolute() or ".." in rel.parts or not rel.parts:
             raise ConfigError(f"checkpoint file name {name!r} must be a relative path inside the checkpoint")
@@ -240,6 +242,7 @@ class PendingCheckpoint:
         return Path(path)
 
     def _unregister(self) -> None:
+        self._closed = True
         if self._registered is not None:
             with _OPEN_LOCK:
                 _OPEN.pop(self._registered, None)
@@ -353,7 +356,9 @@ class CheckpointStore:
             manifest = json.loads((path / MANIFEST).read_text())
         except (OSError, ValueError):
             return None
-        if manifest.get("run_key") != self.run_key or manifest.get("step") != int(m.group(1)):
+        if not isinstance(manifest, dict) or manifest.get("run_key") != self.run_key \
+                or manifest.get("step") != int(m.group(1)) or not isinstance(manifest.get("files"), dict) \
+                or not all(isinstance(v, dict) and "size" in v for v in manifest["files"].values()):
             return None
         check_format(manifest.get("format"), FORMAT, f"checkpoint manifest {path / MANIFEST}", manifest.get("writer"))
         return manifest

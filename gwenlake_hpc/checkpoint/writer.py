@@ -13,7 +13,8 @@ class BackgroundWriter:
     """Runs one sealing job at a time in a daemon thread and keeps its error for the training thread.
 
     ``submit`` first waits for the job in flight, so host memory holds at most one snapshot. A failed job's
-    exception is raised once, by the next :meth:`submit`, :meth:`wait` or :meth:`raise_if_failed`. The thread is
+    exception is sticky: every later :meth:`submit`, :meth:`wait` and :meth:`raise_if_failed` raises it again,
+    so a ``try``/``except`` around one checkpoint block cannot make a run go on without checkpoints. The thread is
     a daemon: a forced exit (a second Ctrl-C) does not wait for it, and the partial directory it leaves is
     removed at the next start.
     """
@@ -49,8 +50,7 @@ class BackgroundWriter:
         """Block until no job is in flight; returns the last job's result.
 
         Raises:
-            the failed job's exception (once), unless ``raise_error`` is false (it is then logged once and
-            kept for a later call that raises).
+            the failed job's exception (every time), unless ``raise_error`` is false (it is then logged once).
         """
         t = self._thread
         if t is not None and t.is_alive():
@@ -62,11 +62,10 @@ class BackgroundWriter:
         return self.raise_if_failed(raise_error)
 
     def raise_if_failed(self, raise_error: bool = True) -> Any:
-        """Raise (once) the error of a finished job without waiting for a running one; else its result."""
+        """Raise the error of a finished job without waiting for a running one; else its result."""
         if self._error is not None and not self.busy:
             if raise_error:
-                err, self._error = self._error, None
-                raise err
+                raise self._error
             if not self._logged:  # kept for a later wait() that raises, logged once
                 log.error("a background checkpoint write failed: %s", self._error)
                 self._logged = True
