@@ -484,15 +484,15 @@ class _RunSession:
         return experiment.experiment_id
 
     def fetch_marks(self, run: Any = None) -> None:
-        """Read the highest stored step of every metric key of the run into ``marks``."""
+        """Read the highest stored step of every metric key of the run into ``marks``.
+
+        From the run's latest metrics (one row a key, the point of the highest step: MLflow orders them by
+        step, then timestamp), so reattaching costs the same after 20,000 steps as after 2,000,000; reading
+        every key's whole history took a minute on long runs.
+        """
         if run is None:
             run = self.client.get_run(self.rid)
-        marks: dict[str, int] = {}
-        for key in run.data.metrics:
-            history = self.client.get_metric_history(self.rid, key)
-            if history:
-                marks[key] = max(m.step for m in history)
-        self.marks = marks
+        self.marks = {m.key: int(m.step) for m in run.data.to_proto().metrics}
 
     # -- data --------------------------------------------------------------------------------
 
