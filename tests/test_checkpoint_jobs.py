@@ -151,3 +151,22 @@ def test_sigkill_right_after_a_seal_loses_no_tracking_point(project):
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert_one_point_per_step(client, runs[0].info.run_id, "loss", range(1, 61))
     assert_one_point_per_step(client, runs[0].info.run_id, "train_loss", range(10, 61, 10))
+
+
+def test_mlflow_system_metrics_continue_across_a_restart(project):
+    """MLflow's own switch turns its system metrics on; they land in the job's run, steps increasing across
+    an eviction and resume (no step twice)."""
+    from test_job import mlflow_runs
+
+    env = {"MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "true", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.5",
+           "GWL_TEST_SLEEP": "0.05"}
+    project.run("+job=t", env={**env, "GWL_TEST_SIGTERM_AT": "40"}, check=75)
+    client, runs = mlflow_runs(project)
+    first = [m.step for m in client.get_metric_history(runs[0].info.run_id, "system/cpu_utilization_percentage")]
+    assert first, "no system metrics from the first process"
+    project.run("+job=t", env=env, check=0)
+    client, runs = mlflow_runs(project)
+    assert len(runs) == 1
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "system/cpu_utilization_percentage")]
+    assert len(steps) > len(first) and len(set(steps)) == len(steps)  # more points, no step twice
+    assert min(s for s in steps if s not in first) > max(first)  # the second process continued the steps

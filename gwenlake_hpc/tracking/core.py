@@ -759,6 +759,7 @@ class Tracker:
         self._pending_tags: dict[str, str] = {}
         self._abandoned = False
         self._session: _RunSession | None = None
+        self._system_monitor: Any = None
         self._opened = False
         self._created_here = False
         self._outage = False
@@ -1059,6 +1060,28 @@ class Tracker:
     def _is_abandoned(self) -> bool:
         return self._abandoned
 
+    def _start_system_metrics(self) -> None:
+        """MLflow's system metrics (``system/*``), when its own switch ``MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING``
+        is on, logged into this run by MLflow's monitor thread; steps continue after the last one a previous
+        process logged (``resume_logging``)."""
+        if os.environ.get("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "").strip().lower() not in ("true", "1"):
+            return
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._system_monitor = SystemMetricsMonitor(self._run_id, resume_logging=True, tracking_uri=self._uri)
+            self._system_monitor.start()
+        except Exception as exc:  # noqa: BLE001 - psutil missing, an old MLflow: say so, never fail the run
+            self._system_monitor = None
+            logger.warning("tracking: MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING is on but MLflow's system metrics "
+                           "cannot start (%s: %s)", type(exc).__name__, exc)
+
+    def _stop_system_metrics(self) -> None:
+        monitor, self._system_monitor = self._system_monitor, None
+        if monitor is not None:
+            with contextlib.suppress(Exception):
+                monitor.finish()
+
     def _main(self) -> None:
         try:
             self._loop()
@@ -1073,6 +1096,7 @@ class Tracker:
                     self._take_queue()
                     self._persist(self._stop_req or ("close", None, 0.0, int(time.time() * 1000)))
         finally:
+            self._stop_system_metrics()
             self._done.set()
 
     def _loop(self) -> None:
@@ -1090,6 +1114,7 @@ class Tracker:
             self._wake.clear()
             self._drain()
             if self._stop_req is not None:
+                self._stop_system_metrics()  # its last points before the run's status
                 self._stop(self._stop_req)
                 return
             now = time.monotonic()
@@ -1142,6 +1167,7 @@ class Tracker:
                     if not self._abandoned:
                         (self._state_dir / PENDING_STATUS_FILE).unlink(missing_ok=True)
             self._attached.set()
+            self._start_system_metrics()
         else:
             session.run_id = self._run_id
             session.fetch_marks()
