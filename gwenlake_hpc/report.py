@@ -26,7 +26,8 @@ def restart_steps(history: dict[str, list[tuple[int, int]]], start_times: list[f
 
 
 def report(run_dir: str | Path, out: str | Path | None = None, uri: str | None = None) -> tuple[Path, list[int]]:
-    """Write ``<run_dir>/report.png`` (or ``out``): one panel per metric, dashed lines at restarts.
+    """Write ``<run_dir>/report.png`` (or ``out``): one panel per metric, the ``time/*`` metrics stacked in
+    one panel (seconds per step: input, compute, checkpoint, tracking), dashed lines at restarts.
 
     Returns:
         (the PNG path, the restart steps marked).
@@ -54,13 +55,25 @@ def report(run_dir: str | Path, out: str | Path | None = None, uri: str | None =
         raise ConfigError(f"MLflow run {run.info.run_id} has no metrics yet")
     starts = [s["time"] for s in (read_json(run_dir / "run.json", default={}) or {}).get("starts", [])]
     marks = restart_steps(history, starts)
-    fig, axes = plt.subplots(len(history), 1, figsize=(8, 2.6 * len(history)), squeeze=False)
-    for ax, key in zip(axes[:, 0], history):
-        steps = sorted(values[key])
-        ax.plot(steps, [values[key][s] for s in steps], marker="." if len(steps) < 50 else None, lw=1)
+    # The Run's time/* metrics share one panel: where each step's time went (input, compute, checkpoints,
+    # tracking), stacked, so the bottleneck shows at a glance.
+    times = [k for k in history if k.startswith("time/")]
+    panels: list[list[str]] = [[k] for k in history if k not in times] + ([times] if times else [])
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), squeeze=False)
+    for ax, keys in zip(axes[:, 0], panels):
+        if keys is not panels[-1] or not times:
+            key = keys[0]
+            steps = sorted(values[key])
+            ax.plot(steps, [values[key][s] for s in steps], marker="." if len(steps) < 50 else None, lw=1)
+            ax.set_ylabel(key)
+        else:
+            steps = sorted(set().union(*(values[k] for k in keys)))
+            ax.stackplot(steps, *[[values[k].get(s, 0.0) for s in steps] for k in keys],
+                         labels=[k.split("/", 1)[1] for k in keys])
+            ax.set_ylabel("seconds per step")
+            ax.legend(loc="upper left", fontsize="small")
         for m in marks:
             ax.axvline(m, color="tab:red", ls="--", lw=1)
-        ax.set_ylabel(key)
     axes[-1, 0].set_xlabel("step")
     axes[0, 0].set_title(f"{run_dir.parent.name} / {run_dir.name}: {len(marks)} restart(s)")
     fig.tight_layout()

@@ -235,6 +235,10 @@ class Run:
         self._writer = BackgroundWriter()
         self._buffers = BufferPool()
         self._in_checkpoint = False
+        # Seconds since the last evaluation: waiting for input, the whole step (checkpoint and tracking
+        # included), blocked in run.checkpoint(), in run.log(). See _log_times.
+        self._times = dict.fromkeys(("input", "step", "checkpoint", "tracking"), 0.0)
+        self._steps_timed = 0
 
     @property
     def is_main(self) -> bool:
@@ -400,11 +404,18 @@ class Run:
                     self.evicted = True  # the step just done wrote its checkpoint: end here
                     break
                 step += 1
+                t_input = time.perf_counter()
                 epoch, batch = next(stream)
                 self.step, self.epoch = step, epoch
                 self.stopping = final
                 self.at_eval = final or step % self.eval_every == 0 or step == total
+                t_step = time.perf_counter()
+                self._times["input"] += t_step - t_input
                 yield step, batch
+                self._times["step"] += time.perf_counter() - t_step
+                self._steps_timed += 1
+                if self.at_eval:
+                    self._log_times(step)
                 self._progress.update(step)
                 if final:
                     self.evicted = True
@@ -451,7 +462,27 @@ class Run:
         self._summary.update(values)
         if self._progress is not None and "loss" in values:
             self._progress.loss = values["loss"]
+        t0 = time.perf_counter()
         self.tracker.log_metrics(values, step)
+        self._times["tracking"] += time.perf_counter() - t0
+
+    def _log_times(self, step: int) -> None:
+        """Log where the steps since the last evaluation spent their time, in seconds per step.
+
+        ``time/input`` waiting for the next batch, ``time/compute`` the step itself minus what follows,
+        ``time/checkpoint`` inside ``run.checkpoint()`` blocks (snapshot or write, and whatever the block
+        does), ``time/tracking`` inside ``run.log()``. Logged at each evaluation step (rank 0), not part of
+        :meth:`summary`: a user sees at a glance whether input, model, checkpoints or tracking is the limit.
+        """
+        n = max(self._steps_timed, 1)
+        t = self._times
+        compute = max(t["step"] - t["checkpoint"] - t["tracking"], 0.0)
+        values = {"time/input": t["input"] / n, "time/compute": compute / n, "time/checkpoint": t["checkpoint"] / n,
+                  "time/tracking": t["tracking"] / n}
+        if self.is_main:
+            self.tracker.log_metrics(values, step)
+        self._times = dict.fromkeys(t, 0.0)
+        self._steps_timed = 0
 
     def _non_finite(self, key: str, value: float, step: int) -> None:
         """A metric is NaN or infinite: stop on a loss (unless ``warn``), warn once otherwise.
@@ -547,10 +578,14 @@ class Run:
             raise ConfigError(f"run.checkpoint() was already called at step {self.step}: one checkpoint a step "
                               "(write every file of the step in one block)")
         self._in_checkpoint = True
+        started = time.perf_counter()
         try:
+            # The block's own code (the user's save_state calls, an evaluation) counts as checkpoint time too:
+            # what the loop is blocked by.
             yield from self._checkpoint(keep, asynchronous)
         finally:
             self._in_checkpoint = False
+            self._times["checkpoint"] += time.perf_counter() - started
 
     def _checkpoint(self, keep: int | None, asynchronous: bool) -> Iterator[CheckpointWriter]:
         if self.dist.enabled:

@@ -170,3 +170,18 @@ def test_mlflow_system_metrics_continue_across_a_restart(project):
     steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "system/cpu_utilization_percentage")]
     assert len(steps) > len(first) and len(set(steps)) == len(steps)  # more points, no step twice
     assert min(s for s in steps if s not in first) > max(first)  # the second process continued the steps
+
+
+def test_time_breakdown_is_logged_at_each_evaluation_and_drawn(project):
+    from test_job import mlflow_runs
+
+    project.run("+job=t", env={"GWL_TEST_SLEEP": "0.02"}, check=0)
+    client, runs = mlflow_runs(project)
+    rid = runs[0].info.run_id
+    hist = {k: {m.step: m.value for m in client.get_metric_history(rid, f"time/{k}")}
+            for k in ("input", "compute", "checkpoint", "tracking")}
+    assert all(sorted(h) == list(range(10, 61, 10)) for h in hist.values()), hist
+    assert all(v >= 0.02 for v in hist["compute"].values())  # each step sleeps 20 ms in the user's code
+    assert all(v > 0 for v in hist["checkpoint"].values()) and all(v >= 0 for v in hist["input"].values())
+    out = project.run("report", str(run_dir_of(project)), check=0)
+    assert (run_dir_of(project) / "report.png").read_bytes()[:4] == b"\x89PNG", out.stdout + out.stderr
