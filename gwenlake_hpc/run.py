@@ -130,8 +130,9 @@ class CheckpointWriter:
         """Path for file ``name`` in the checkpoint; see :meth:`PendingCheckpoint.path`.
 
         On ranks other than 0 of a multi-task run the path is in a scratch folder of that rank that is
-        discarded (``save_state`` writes nothing there): rank 0's files are the checkpoint (the model and optimizer state are the same on every
-        rank); each rank's own RNG and data position are saved in it by the Run.
+        discarded (``save_state`` writes nothing there): rank 0's files are the checkpoint (the model and
+        optimizer state are the same on every rank); each rank's own RNG and data position are saved in it
+        by the Run.
         """
         return self._pending.path(name)
 
@@ -173,7 +174,7 @@ class Run:
     def __init__(self, *, run_dir: Path, run_key: str, steps: int | None, epochs: int | None, eval_every: int,
                  seed: int, tracker: Any, stop: StopRequest, resume: str = "auto", progress: str = "auto",
                  progress_every_s: float = 30.0, dist: Dist | None = None, checkpoint_async: bool | None = None,
-        on_nonfinite: str = "stop"):
+                 on_nonfinite: str = "stop"):
         if steps is not None and steps < 0:
             raise ConfigError(f"job.steps={steps}: must be >= 0")
         if epochs is not None and epochs < 1:
@@ -537,8 +538,8 @@ class Run:
 
         Raises:
             CheckpointError: the background write failed (the message names the path and errno); the
-                previous checkpoint stays the newest usable one. Raised once; not with ``raise_error=False``
-                (logged instead).
+                previous checkpoint stays the newest usable one. Raised at every later call (the run cannot
+                go on without checkpoints); with ``raise_error=False`` it is logged instead.
         """
         self._writer.wait(raise_error)
         return self.latest_checkpoint
