@@ -297,8 +297,10 @@ def test_churn_survives_preemption_sigkill_and_time_limit(tmp_path):
 
     project = make_churn_project(tmp_path / "churn")
     pattern = "runs/crm.churn/*/checkpoints/step-*"
-    # A one-minute limit: SLURM sends the warning 30 to 60 s ahead, so each start trains 10-30 s (~15k steps).
-    proc = project.run("+job=churn", "job.steps=40000", "job.eval_every=2000", "launcher=slurm",
+    # A one-minute limit: SLURM sends the warning 30 to 60 s ahead, so a start trains 60 s at most, under 60k
+    # steps even at 1,000 steps/s (checkpoints no longer block the loop). 100k steps leave more than that after
+    # the SIGKILL at 8-20k, so the time limit is reached whatever the speed of the machine.
+    proc = project.run("+job=churn", "job.steps=100000", "job.eval_every=5000", "launcher=slurm",
                        "launcher.timeout_min=1", "launcher.signal_delay_s=30", "launcher.max_retries=12",
                        "launcher.cpus_per_task=2", "+launcher.additional_parameters.nodelist=n1",
                        "launcher.progress_every_s=5", check=0, timeout=600)
@@ -334,7 +336,7 @@ def test_churn_survives_preemption_sigkill_and_time_limit(tmp_path):
     client = MlflowClient(f"sqlite:///{project.root / 'runs' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("crm.churn").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
-    assert sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")) == list(range(1, 40001))
+    assert sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")) == list(range(1, 100001))
 
 
 def test_lost_node_requeues_and_resumes_from_newest_checkpoint(project):
