@@ -162,8 +162,9 @@ def test_mlflow_system_metrics_continue_across_a_restart(project):
     an eviction and resume (no step twice)."""
     from test_job import mlflow_runs
 
+    # 40 steps of 0.1 s before the eviction: the monitor (started once the run is attached) samples at once.
     env = {"MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "true", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.5",
-           "GWL_TEST_SLEEP": "0.05"}
+           "GWL_TEST_SLEEP": "0.1"}
     project.run("+job=t", env={**env, "GWL_TEST_SIGTERM_AT": "40"}, check=75)
     client, runs = mlflow_runs(project)
     first = [m.step for m in client.get_metric_history(runs[0].info.run_id, "system/cpu_utilization_percentage")]
