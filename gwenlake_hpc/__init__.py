@@ -2,17 +2,38 @@
 
 Write one ordinary training function, decorate it with :func:`train`, and run it with
 ``python -m gwenlake_hpc +job=NAME`` or ``gwenlake-train``.
+
+The names below are imported on first use (PEP 562), so that a process that needs one module (the tracking
+delivery process, a command) does not pay for torch and git.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-from .api import Input, Model, Output, TrainFunction, train  # noqa: E402
-from .device import default_device  # noqa: E402
-from .errors import CheckpointError, ConfigError, DataError, GwenlakeError  # noqa: E402
-from .registry import LoadedModel, load_model  # noqa: E402
-from .run import Run, ShieldedWorkerInit  # noqa: E402
-from .checkpoint.state import load_state, save_state  # noqa: E402
+_EXPORTS = {
+    "train": ".api", "Input": ".api", "Output": ".api", "Model": ".api", "TrainFunction": ".api",
+    "default_device": ".device",
+    "CheckpointError": ".errors", "ConfigError": ".errors", "DataError": ".errors", "GwenlakeError": ".errors",
+    "LoadedModel": ".registry", "load_model": ".registry",
+    "Run": ".run", "ShieldedWorkerInit": ".run",
+    "load_state": ".checkpoint.state", "save_state": ".checkpoint.state",
+}
 
-__all__ = ["train", "Input", "Output", "Model", "Run", "TrainFunction", "save_state", "load_state",
-           "default_device", "load_model", "LoadedModel", "ShieldedWorkerInit", "ConfigError", "DataError",
-           "CheckpointError", "GwenlakeError", "__version__"]
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gwenlake_hpc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

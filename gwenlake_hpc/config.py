@@ -52,7 +52,8 @@ class TrackingConfig:
 
     Attributes:
         uri: tracking URI; default ``sqlite:///<runs_root>/mlflow.db``. ``http(s)://`` for a server.
-        flush_interval_s: seconds between two background deliveries of metric points.
+        flush_interval_s: seconds between two writes of the spool by the training (and deliveries by the
+            delivery process); 1000 waiting points trigger one sooner.
         finish_timeout_s: seconds the end of a job waits for undelivered points before leaving them to
             ``python -m gwenlake_hpc tracking sync``.
     """

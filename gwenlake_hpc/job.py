@@ -423,6 +423,8 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     for done in reversed(info.get("completions") or ([info["completed"]] if info.get("completed") else [])):
         if done.get("steps") == steps and done.get("epochs") == epochs and done.get("version"):
             log.info("run %s already finished at step %s; nothing to train", run_dir, done.get("final_step"))
+            if d.is_main and tracking_on:
+                _complete_pending_registrations(state_dir_for(run_dir, tracking_uri), tracking_uri)
             if d.is_main:
                 print(f"model {model_name} version {done['version']}", flush=True)
             return JobResult(0, done["version"], run_dir, done.get("final_step"))
@@ -455,10 +457,15 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
             tags["gwenlake.code_patch_sha256"] = os.environ["GWENLAKE_CODE_PATCH_SHA256"]
         tags.update({f"slurm.{k[6:].lower()}": v for k, v in slurm_facts().items()})
         artifact_location = (runs_root / "mlartifacts" / model_name).as_uri() if is_sqlite(tracking_uri) else None
-        tracker: Any = Tracker(tracking_uri, model_name, key, state_dir_for(run_dir, tracking_uri),
+        state_dir = state_dir_for(run_dir, tracking_uri)
+        # Versions an earlier start committed but could not register: the delivery process registers them
+        # once the run is attached (the hook is named, not imported: tracking knows nothing of the registry).
+        pending = "gwenlake_hpc.registry:complete_pending_registrations" \
+            if (state_dir / "pending_registrations.json").is_file() else None
+        tracker: Any = Tracker(tracking_uri, model_name, key, state_dir,
                                params=flatten({"params": params, "seed": seed}), tags=tags,
                                artifact_location=artifact_location,
-                               flush_interval_s=float(cfg.tracking.flush_interval_s))
+                               flush_interval_s=float(cfg.tracking.flush_interval_s), after_attach=pending)
         tracker.set_tags(tags)
     else:
         tracker = NullTracker()
@@ -519,6 +526,21 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     finally:
         if installed:
             stop.uninstall()
+
+
+def _complete_pending_registrations(state_dir: Path, tracking_uri: str) -> None:
+    """Register the versions an earlier start committed but could not register (a rerun of a finished job)."""
+    from .registry import PENDING_REGISTRATIONS, complete_pending_registrations
+    from .tracking import sync
+
+    if not (state_dir / PENDING_REGISTRATIONS).is_file():
+        return
+    try:
+        sync(state_dir, uri=tracking_uri, timeout_s=30.0)  # the run, if it was never created
+    except ConfigError as exc:
+        log.warning("could not sync %s: %s", state_dir, exc)
+        return
+    complete_pending_registrations(state_dir, tracking_uri)
 
 
 def _set_aside_resume_point(run: Run, exc: DamagedFileError) -> bool:

@@ -24,6 +24,7 @@ A model's version is a git commit (:mod:`gwenlake_hpc.versioning`). This module 
 from __future__ import annotations
 
 import contextlib
+import functools
 import getpass
 import importlib
 import json
@@ -241,7 +242,7 @@ def resolve_alias(model_name: str, alias: str, repo: Any = None, tracking_uri: s
     sha = aliases[alias]
     log.info("alias %s of %s resolved to version %s", alias, model_name, sha)
     if tracking_uri:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception), _http_settings():
             mv = _client(tracking_uri).get_model_version_by_alias(model_name, alias)
             other = (mv.tags or {}).get("gwenlake.version")
             if other and other != sha:
@@ -438,20 +439,33 @@ def load_model(name: str, version: str | None = None, *, alias: str | None = Non
 
 # --- MLflow Model Registry ------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _pending_lock(state_dir: Path) -> Any:
+    # The list is read and rewritten by the end of a training and by the delivery process of the next start (or
+    # tracking sync) at once: one at a time, or an entry added meanwhile would be lost.
+    import fcntl
+
+    with open(Path(state_dir) / (PENDING_REGISTRATIONS + ".lock"), "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        yield
+
+
 def _add_pending(state_dir: Path, entry: Mapping[str, str]) -> None:
     from .fsutil import read_json, write_json_atomic
 
     path = Path(state_dir) / PENDING_REGISTRATIONS
-    todo = [e for e in (read_json(path, default=None) or []) if e.get("version") != entry["version"]]
-    write_json_atomic(path, todo + [dict(entry)])
+    with _pending_lock(state_dir):
+        todo = [e for e in (read_json(path, default=None) or []) if e.get("version") != entry["version"]]
+        write_json_atomic(path, todo + [dict(entry)])
 
 
 def complete_pending_registrations(state_dir: str | os.PathLike[str], tracking_uri: str) -> list[str]:
     """Register the versions a training committed but could not register (``pending_registrations.json``).
 
-    Each is registered with the run id now in ``<state_dir>/run_id`` (created or attached by ``tracking
-    sync``), its git aliases mirrored to MLflow, and taken off the list. Returns the versions registered;
-    those that fail stay listed (with a warning).
+    Called by ``tracking sync`` and, in the delivery process, by the next start of the training once its run is
+    attached. Each is registered with the run id now in ``<state_dir>/run_id``, its git aliases mirrored to
+    MLflow, and taken off the list. Returns the versions registered; those that fail stay listed (with a
+    warning).
     """
     from .fsutil import read_json, write_json_atomic
 
@@ -460,7 +474,7 @@ def complete_pending_registrations(state_dir: str | os.PathLike[str], tracking_u
     todo = read_json(path, default=None) or []
     run_file = state_dir / "run_id"
     run_id = run_file.read_text().strip() if run_file.is_file() else None
-    done, left = [], []
+    done: list[str] = []
     for entry in todo:
         try:
             if not run_id:
@@ -476,18 +490,35 @@ def complete_pending_registrations(state_dir: str | os.PathLike[str], tracking_u
             done.append(m.version)
         except Exception as exc:  # noqa: BLE001 - kept on the list, said why
             log.warning("could not register %s version %s yet: %s", entry.get("model"), entry.get("version"), exc)
-            left.append(entry)
-    if left:
-        write_json_atomic(path, left)
-    else:
-        path.unlink(missing_ok=True)
+    if done:
+        with _pending_lock(state_dir):  # entries added meanwhile stay
+            left = [e for e in (read_json(path, default=None) or []) if e.get("version") not in done]
+            if left:
+                write_json_atomic(path, left)
+            else:
+                path.unlink(missing_ok=True)
+        log.info("registered the pending version(s) %s", ", ".join(v[:12] for v in done))
     return done
 
 
+def _http_settings() -> Any:
+    # No MLflow retry loop (minutes with backoff): a tracking outage must not hold a training or a promote. Set
+    # for the calls below only: MLflow reads them from the environment at each request.
+    from .tracking.session import http_settings
+
+    return http_settings()
+
+
+def _with_http_settings(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _http_settings():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def _client(tracking_uri: str) -> Any:
-    # No MLflow retry loop (minutes with backoff): a tracking outage must not hold a training or a promote.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     from mlflow import MlflowClient
 
     from .tracking import ensure_sqlite_store
@@ -503,6 +534,7 @@ def _model_version_of(client: Any, model_name: str, sha: str) -> Any | None:
     return None
 
 
+@_with_http_settings
 def register_version(tracking_uri: str, model_name: str, version: str, run_id: str, model_dir: str | Path,
                      tags: Mapping[str, str] | None = None, extra_files: Mapping[str, bytes] | None = None) -> str:
     """Register ``version`` as a model version of the MLflow registered model ``model_name``.
@@ -544,6 +576,7 @@ def register_version(tracking_uri: str, model_name: str, version: str, run_id: s
     return str(mv.version)
 
 
+@_with_http_settings
 def mlflow_set_alias(tracking_uri: str, model_name: str, alias: str, version: str) -> str | None:
     """Mirror an alias move onto the MLflow registered model; returns the model version number, or None (with a
     warning) when ``version`` was never registered (e.g. trained without tracking)."""

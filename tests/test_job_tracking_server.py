@@ -8,6 +8,7 @@ import uuid
 import pytest
 from mlflow import MlflowClient
 
+from gwenlake_hpc.tracking.spool import points_of, read_all
 from mlflow_server import MlflowServer, drop_postgres_database, postgres_available, postgres_backend, sqlite_backend
 
 
@@ -33,6 +34,13 @@ def wait_for(path, timeout=120):
         time.sleep(0.05)
 
 
+def wait_for_true(pred, timeout=60):
+    deadline = time.time() + timeout
+    while not pred():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.1)
+
+
 def the_run(server):
     client = MlflowClient(server.uri)
     exp = client.get_experiment_by_name("t.model")
@@ -50,8 +58,9 @@ def test_server_down_mid_run_all_points_arrive(project, server):
     server.stop(kill=True)  # outage from step 50 to step 200
     (f / "go1").touch()
     wait_for(f / "reached2")
-    spool = next((f / "runs" / "t.model").glob("*/tracking/spool.jsonl"))
-    assert spool.stat().st_size > 0  # points waited on disk during the outage
+    state = next((f / "runs" / "t.model").glob("*/tracking"))
+    # Points waited on disk during the outage (written at least at each checkpoint, every 50 steps).
+    wait_for_true(lambda: {100, 150} <= {s for _, _, s, _ in points_of(read_all(state))})
     server.start()
     (f / "go2").touch()
     out, err = proc.communicate(timeout=180)
@@ -71,6 +80,7 @@ def test_server_down_at_end_then_tracking_sync(project, server):
     proc = project.popen("+job=t", "job.steps=120", f"tracking.uri={server.uri}", "tracking.flush_interval_s=0.2",
                          "tracking.finish_timeout_s=3", env={"GWL_TEST_PAUSE": f"100:{f}/reached:{f}/go"})
     wait_for(f / "reached")
+    wait_for_true(lambda: any((f / "runs" / "t.model").glob("*/tracking/run_id")))  # the run exists
     server.stop(kill=True)
     (f / "go").touch()
     out, err = proc.communicate(timeout=180)
@@ -113,3 +123,28 @@ def test_server_down_for_the_whole_run_then_sync_registers_the_version(project, 
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 31))
     mv = client.get_model_version_by_alias("t.model", "candidate")
     assert mv.tags["gwenlake.version"] == version and mv.run_id == run.info.run_id
+
+
+@pytest.mark.parametrize("next_start", ["rerun", "extend"])
+def test_server_down_for_the_whole_run_then_the_next_start_registers_the_version(project, server, next_start):
+    """The version left pending is registered by the next start of the training, without `tracking sync`: a
+    rerun of the finished job (in the command), or a run extended with more steps (in its delivery process)."""
+    server.stop(kill=True)
+    done = project.run("+job=t", "job.steps=30", f"tracking.uri={server.uri}", "tracking.finish_timeout_s=3",
+                       check=0, timeout=600)
+    first = done.stdout.strip().splitlines()[-1].split()[-1]
+    run_dir = next((project.root / "runs" / "t.model").iterdir())
+    assert (run_dir / "tracking" / "pending_registrations.json").is_file()
+
+    server.start()
+    steps = 30 if next_start == "rerun" else 60
+    again = project.run("+job=t", f"job.steps={steps}", f"tracking.uri={server.uri}", check=0, timeout=600)
+    log = again.stdout + again.stderr
+    assert not (run_dir / "tracking" / "pending_registrations.json").exists(), log
+    client, run = the_run(server)
+    registered = {mv.tags["gwenlake.version"]: mv for mv in client.search_model_versions("name='t.model'")}
+    last = again.stdout.strip().splitlines()[-1].split()[-1]
+    assert set(registered) == ({first} if next_start == "rerun" else {first, last}), log
+    assert all(mv.run_id == run.info.run_id for mv in registered.values())
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, steps + 1))

@@ -19,11 +19,12 @@ import pytest
 from mlflow import MlflowClient
 
 from gwenlake_hpc.errors import ConfigError
+from gwenlake_hpc.tracking.spool import points_of, read_all
 from gwenlake_hpc.tracking import (
     ATTACH_COUNT_TAG,
     PENDING_STATUS_FILE,
     RUN_ID_FILE,
-    SPOOL_FILE,
+    SPOOL_DIR,
     TRACKING_JSON,
     NullTracker,
     Tracker,
@@ -77,19 +78,12 @@ def history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, floa
 
 
 def spool_points(state_dir: Path) -> list[dict]:
-    path = state_dir / SPOOL_FILE
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Every point in the spool, oldest first (whole lines; a torn one is skipped, as the delivery does)."""
+    return [{"key": k, "value": v, "step": s, "timestamp": t} for k, v, s, t in points_of(read_all(state_dir))]
 
 
-def spool_points_tolerant(state_dir: Path) -> list[dict]:
-    # Skips a torn line, as the tracker does.
-    out = []
-    for line in (state_dir / SPOOL_FILE).read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
+def spool_empty(state_dir: Path) -> bool:
+    return not (state_dir / "spool.jsonl").exists() and not any((state_dir / SPOOL_DIR).glob("*.jsonl"))
 
 
 def loss(step: int) -> float:
@@ -218,7 +212,7 @@ def test_sqlite_store_one_point_per_step(sqlite_dir: Path, tmp_path: Path) -> No
         "params": params,
         "tags": {"slurm.job_id": "123"},
     }
-    assert not (state_dir / SPOOL_FILE).exists()
+    assert spool_empty(state_dir)
     assert not (state_dir / PENDING_STATUS_FILE).exists()
 
 
@@ -327,9 +321,10 @@ def test_server_outage_spools_then_delivers_once(
     for step in range(51, 251):
         tracker.log_metrics({"loss": loss(step)}, step=step)
     assert time.perf_counter() - started < 0.5  # the training loop does not wait
-    wait_for(lambda: len(spool_points(state_dir)) == 200, what="200 spooled points")
-    assert [p["step"] for p in spool_points(state_dir)] == list(range(51, 251))
-    assert spool_points(state_dir)[0] == {
+    # On disk while the server is down (the spool still holds 1..50 too: its writer is alive).
+    wait_for(lambda: len([p for p in spool_points(state_dir) if p["step"] > 50]) == 200, what="200 spooled points")
+    assert [p["step"] for p in spool_points(state_dir) if p["step"] > 50] == list(range(51, 251))
+    assert [p for p in spool_points(state_dir) if p["step"] > 50][0] == {
         "key": "loss", "value": loss(51), "step": 51, "timestamp": pytest.approx(
             time.time() * 1000, abs=60_000)}
     time.sleep(1.0)  # several failed reconnections: still one warning
@@ -347,7 +342,7 @@ def test_server_outage_spools_then_delivers_once(
     assert len(tracking_warnings(caplog)) == 1
     back = [r.getMessage() for r in caplog.records if "server back, delivered" in r.getMessage()]
     assert len(back) == 1 and int(back[0].rsplit("delivered ", 1)[1].split()[0]) >= 200
-    assert not (state_dir / SPOOL_FILE).exists()
+    assert spool_empty(state_dir)
 
 
 def test_finish_while_server_down_then_sync(
@@ -372,7 +367,7 @@ def test_finish_while_server_down_then_sync(
     assert time.monotonic() - started < 3 + 2
     assert tracker.finish("FINISHED") is False  # idempotent
     assert json.loads((state_dir / PENDING_STATUS_FILE).read_text())["status"] == "FINISHED"
-    assert [p["step"] for p in spool_points(state_dir)] == list(range(21, 41))
+    assert [p["step"] for p in spool_points(state_dir) if p["step"] > 20] == list(range(21, 41))
     hint = f"python -m gwenlake_hpc tracking sync {run_dir}"
     assert any(hint in r.getMessage() for r in tracking_warnings(caplog))
 
@@ -387,7 +382,7 @@ def test_finish_while_server_down_then_sync(
     assert run.info.status == "FINISHED"
     assert run.data.params == {"p": "1"}
     assert history(client, run_id, "loss") == [(s, loss(s)) for s in range(1, 41)]
-    assert not (state_dir / SPOOL_FILE).exists()
+    assert spool_empty(state_dir)
     assert not (state_dir / PENDING_STATUS_FILE).exists()
     # Nothing left: a second sync does nothing.
     assert sync(state_dir, timeout_s=5) == {
@@ -454,14 +449,14 @@ def test_next_tracker_delivers_the_spool_of_an_earlier_process(
     assert not (state_dir / PENDING_STATUS_FILE).exists()
 
     second = Tracker(live.uri, "exp-handover", "r", state_dir, flush_interval_s=0.2)
-    # Replays of 21..30 with other values: dropped at the source (marks read from the spool).
+    # Replays of 21..30 with other values: dropped by the delivery (it delivers the older spool first).
     for step in range(21, 61):
         second.log_metrics({"loss": loss(step) + (1000 if step <= 30 else 0)}, step=step)
     assert second.finish("FINISHED") is True
     client = MlflowClient(live.uri)
     assert history(client, second.run_id, "loss") == [(s, loss(s)) for s in range(1, 61)]
     assert client.get_run(second.run_id).info.status == "FINISHED"
-    assert not (state_dir / SPOOL_FILE).exists()
+    assert spool_empty(state_dir)
 
 
 def test_finish_does_not_wait_for_a_hung_server(
@@ -483,9 +478,9 @@ def test_finish_does_not_wait_for_a_hung_server(
         assert time.monotonic() - started < 1 + 1.5  # not the 3 s of the hung request
         assert [p["step"] for p in spool_points(state_dir)] == list(range(1, 11))
         assert json.loads((state_dir / PENDING_STATUS_FILE).read_text())["status"] == "FINISHED"
-        # When its request gives up, the thread leaves the state the caller saved alone.
-        tracker._thread.join(10)
-        assert not tracker._thread.is_alive()
+        # The delivery process was stopped: once its request would have given up, the state is still there.
+        assert tracker._proc is None
+        time.sleep(3.5)
     assert [p["step"] for p in spool_points(state_dir)] == list(range(1, 11))
     assert (state_dir / PENDING_STATUS_FILE).exists()
 
@@ -505,15 +500,15 @@ def test_sync_drops_points_already_stored_and_torn_lines(
         json.dumps({"key": "loss", "value": loss(s), "step": s, "timestamp": 1_700_000_000_000})
         for s in range(11, 26)
     ]
-    (state_dir / SPOOL_FILE).write_text("\n".join(lines) + '\n{"key": "loss", "val')
+    (state_dir / "spool.jsonl").write_text("\n".join(lines) + '\n{"key": "loss", "val')
 
-    # The next process cannot reach the server: its points go after the torn line.
+    # The next process cannot reach the server: its points go to a spool segment of its own.
     down = f"http://127.0.0.1:{free_port()}"
     second = Tracker(down, "exp-crash", "r", state_dir, flush_interval_s=0.2, retry_max_s=0.5)
-    for step in range(21, 31):  # 21..25 are in the spool already: dropped at the source
+    for step in range(21, 31):  # 21..25 are in the older spool already: dropped by the delivery
         second.log_metrics({"loss": loss(step)}, step=step)
     assert second.close(timeout_s=0.5) is False
-    assert [p["step"] for p in spool_points_tolerant(state_dir)] == list(range(11, 31))
+    assert [p["step"] for p in spool_points(state_dir)] == list(range(11, 26)) + list(range(21, 31))
 
     assert sync(state_dir, uri=uri, timeout_s=30) == {
         "run_id": first.run_id, "delivered": 10, "remaining": 0, "status": None}

@@ -96,3 +96,23 @@ def test_runs_root_with_special_characters_keeps_the_store_inside(project):
     runs = client.search_runs([client.get_experiment_by_name("t.model").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")) == list(range(1, 21))
+
+
+@pytest.mark.slow
+def test_20_concurrent_jobs_on_one_new_store_give_20_runs_and_20_registered_versions(project):
+    """20 trainings start at once on a runs_root with no store yet: one store made whole, 20 FINISHED runs with
+    every point once, 20 versions registered, each from its own run."""
+    procs = [project.popen("+job=t", "job.steps=10", f"job.params.hidden={4 + i}") for i in range(20)]
+    outs = [p.communicate(timeout=1200) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 20, [e[-600:] for (_, e), p in zip(outs, procs) if p.returncode]
+    versions = {o.strip().splitlines()[-1].split()[-1] for o, _ in outs}
+    assert len(versions) == 20
+    client = MlflowClient(sqlite_uri(project.root / "runs" / "mlflow.db"))
+    runs = client.search_runs([client.get_experiment_by_name("t.model").experiment_id])
+    assert len(runs) == 20 and {r.info.status for r in runs} == {"FINISHED"}
+    for r in runs:
+        assert sorted(m.step for m in client.get_metric_history(r.info.run_id, "loss")) == list(range(1, 11))
+    registered = client.search_model_versions("name='t.model'")
+    assert {mv.tags["gwenlake.version"] for mv in registered} == versions and len(registered) == 20
+    assert sorted(mv.run_id for mv in registered) == sorted(r.info.run_id for r in runs)
+    assert list(project.root.rglob("*.db")) == [project.root / "runs" / "mlflow.db"]
