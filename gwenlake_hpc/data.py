@@ -21,7 +21,6 @@ import logging
 import math
 import os
 import re
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 
 from gwenlake_hpc.errors import ConfigError, DataError
+from gwenlake_hpc.fsutil import mkstemp
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def write_dataset(
     revision = content_revision(norm)
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".h5.tmp", dir=path.parent)
+    fd, tmp_name = mkstemp(path.parent, prefix=f".{path.stem}.", suffix=".h5.tmp")
     os.close(fd)
     tmp = Path(tmp_name)
     try:

@@ -9,6 +9,36 @@ from pathlib import Path
 from typing import Any
 
 
+def umask() -> int:
+    """The process's umask, read without changing it (``/proc/self/status``; else set and restored at once)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def mkstemp(dir: str | os.PathLike, prefix: str, suffix: str = ".tmp") -> tuple[int, str]:
+    """:func:`tempfile.mkstemp`, but the file gets the mode a plain ``open()`` would give (0644 with the usual
+    umask), not 0600: it is renamed into a place teammates on the shared filesystem read (datasets, run
+    records, checkpoints, tracking state). Returns (fd, path)."""
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=dir)
+    os.fchmod(fd, 0o666 & ~umask())
+    return fd, path
+
+
+def mkdtemp(dir: str | os.PathLike, prefix: str) -> str:
+    """:func:`tempfile.mkdtemp` with the mode of a plain ``mkdir()`` (0755 with the usual umask), not 0700."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=dir)
+    os.chmod(path, 0o777 & ~umask())
+    return path
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """fsync a directory, so a rename or a new entry in it survives a crash of the node."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -26,7 +56,7 @@ def write_atomic(path: str | os.PathLike, data: bytes | str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     raw = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = mkstemp(path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(raw)

@@ -29,6 +29,7 @@ from typing import Any, Mapping, Union
 import git
 
 from .errors import ConfigError, GwenlakeError
+from .fsutil import mkdtemp
 
 log = logging.getLogger("gwenlake_hpc.versioning")
 
@@ -920,7 +921,7 @@ def export_version(repo: git.Repo | PathLike, model_name: str, version: str,
                               f" {reader.prefix}/")
         dest.parent.mkdir(parents=True, exist_ok=True)
         # Same file system as dest, so the final rename is atomic.
-        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.export-", dir=dest.parent))
+        staging = Path(mkdtemp(dest.parent, prefix=f".{dest.name}.export-"))
         try:
             reader.checkout(sha, None, staging)
             os.rename(staging / reader.prefix, dest)

@@ -24,7 +24,6 @@ import math
 import mmap
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -32,7 +31,7 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import CheckpointError
-from ..fsutil import fsync_dir
+from ..fsutil import fsync_dir, mkstemp
 from .digest import CHUNK_BYTES, DEFAULT_ALGORITHM, new_hasher
 
 #: torch dtype -> safetensors dtype name (the names of safetensors' format specification).
@@ -128,7 +127,7 @@ def _write_all(fd: int, data: memoryview, hasher: Any) -> None:
 
 def _open_temp(path: Path) -> tuple[int, Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = mkstemp(path.parent, prefix=f".{path.name}.")
     return fd, Path(tmp)
 
 

@@ -1,0 +1,39 @@
+"""Hardening: what teammates on a shared filesystem see, and how a job ends."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+
+def test_files_follow_the_umask_so_teammates_can_read_them(project):
+    """Datasets, run records, checkpoints, tracking state and exported models get the mode a plain open() gives
+    (0644 files, 0755 folders with umask 022), not mkstemp's 0600."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    code = ("import numpy as np; from gwenlake_hpc.data import Catalog; "
+            "Catalog('data').write('t.more', {'x': np.zeros((4, 4), np.float32), 'y': np.zeros(4, np.float32)})")
+    for cmd in ([sys.executable, "-c", code], [sys.executable, "-m", "gwenlake_hpc", "+job=t", "job.steps=20"]):
+        done = subprocess.run(cmd, cwd=project.root, env=env, capture_output=True, text=True, timeout=600,
+                              preexec_fn=lambda: os.umask(0o022))
+        assert done.returncode == 0, done.stderr[-2000:]
+    version = done.stdout.strip().splitlines()[-1].split()[-1]
+    export = subprocess.run([sys.executable, "-c", f"from gwenlake_hpc import load_model; "
+                             f"print(load_model('t.model', '{version}').path)"], cwd=project.root, env=env,
+                            capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.umask(0o022))
+    assert export.returncode == 0, export.stderr[-2000:]
+    roots = [project.root / "runs", project.root / "data", project.root / export.stdout.strip().splitlines()[-1]]
+    seen = {"file": 0, "dir": 0}
+    wrong = []
+    for root in roots:
+        for p in [root, *root.rglob("*")]:
+            mode = stat.S_IMODE(p.lstat().st_mode)
+            if p.is_symlink():
+                continue
+            kind = "dir" if p.is_dir() else "file"
+            seen[kind] += 1
+            if mode != (0o755 if kind == "dir" else 0o644):
+                wrong.append(f"{oct(mode)} {p.relative_to(project.root)}")
+    assert not wrong, wrong
+    assert seen["file"] > 10 and seen["dir"] > 3
