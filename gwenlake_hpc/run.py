@@ -398,6 +398,7 @@ class Run:
         try:
             while step < total:
                 self._writer.raise_if_failed()  # a failed background write fails the run at the next step
+                self._stop.check_handlers()  # a library's own SIGTERM handler must not swallow an eviction
                 # One decision for all ranks (a collective in a multi-task run): a stop request seen by any
                 # rank stops every rank after the same step.
                 final = self.dist.any(self._stop.requested)

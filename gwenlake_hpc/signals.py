@@ -3,16 +3,24 @@
 SLURM sends SIGTERM on preemption and scancel, and the ``--signal`` of the job (SIGUSR2 here) ahead of the time
 limit; Ctrl-C sends SIGINT. The handlers only record which signal arrived and when: no I/O, no exit, no
 exception inside a step. A second Ctrl-C raises KeyboardInterrupt, for a person who really wants out now.
+
+A training function, or a library it calls (profilers, loggers, experiment trackers), may install its own
+handler for one of these signals, which would silently swallow an eviction. :meth:`StopRequest.check_handlers`
+(called by the Run at every step boundary) notices it, puts ours back chained to theirs (ours records the stop,
+then theirs runs), and warns once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 import time
 from types import FrameType
 from typing import Iterator
+
+log = logging.getLogger("gwenlake_hpc.signals")
 
 #: Signals that ask a training to stop at the next step boundary.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
@@ -32,6 +40,7 @@ class StopRequest:
         self.received_at: float | None = None
         self.reason: str | None = None
         self._previous: dict[int, object] = {}
+        self._ours: dict[int, object] = {}  # signal -> the handler we installed (ours, or ours chained)
         self._sigints = 0
 
     @property
@@ -67,7 +76,35 @@ class StopRequest:
             return True
         for s in signals:
             self._previous[s] = signal.signal(s, self._handle)
+            self._ours[s] = self._handle
         return True
+
+    def check_handlers(self) -> list[str]:
+        """Put our handlers back where someone replaced them since :meth:`install`, chained to theirs.
+
+        Called by the Run between two steps (main thread). For each stop signal whose handler is no longer
+        ours: ours is installed again, and calls theirs after recording the stop (unless theirs is the default
+        action or "ignore", which would kill the training mid-step or do nothing). One warning a signal.
+
+        Returns:
+            The names of the signals whose handler was put back (empty almost always).
+        """
+        if not self._ours or threading.current_thread() is not threading.main_thread():
+            return []
+        fixed = []
+        for s, ours in self._ours.items():
+            current = signal.getsignal(s)
+            if current is ours or current == ours:
+                continue
+            chained = _Chained(self._handle, current)
+            signal.signal(s, chained)
+            self._ours[s] = chained
+            name = signal.Signals(s).name
+            fixed.append(name)
+            log.warning("the handler of %s was replaced (by %s) during the training: gwenlake_hpc's is put back, "
+                        "chained to it, so that an eviction still ends the loop at a step boundary", name,
+                        _describe(current))
+        return fixed
 
     def uninstall(self) -> None:
         """Restore the handlers that were there before :meth:`install` (at the outermost uninstall)."""
@@ -77,6 +114,7 @@ class StopRequest:
         for s, h in self._previous.items():
             signal.signal(s, h)  # type: ignore[arg-type]
         self._previous.clear()
+        self._ours.clear()
 
     def __enter__(self) -> "StopRequest":
         self.install()
@@ -84,6 +122,25 @@ class StopRequest:
 
     def __exit__(self, *exc: object) -> None:
         self.uninstall()
+
+
+class _Chained:
+    """Our handler, then the one a training installed over it (when that one is a function)."""
+
+    def __init__(self, ours: object, theirs: object) -> None:
+        self.ours, self.theirs = ours, theirs
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.ours(signum, frame)  # type: ignore[operator]
+        if callable(self.theirs):
+            self.theirs(signum, frame)
+
+
+def _describe(handler: object) -> str:
+    if handler in (signal.SIG_DFL, signal.SIG_IGN, None):
+        return {signal.SIG_DFL: "the default action", signal.SIG_IGN: "ignore"}.get(handler, "a C handler")
+    mod = getattr(handler, "__module__", None) or "?"
+    return f"{mod}.{getattr(handler, '__qualname__', type(handler).__name__)}"
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -37,3 +38,16 @@ def test_files_follow_the_umask_so_teammates_can_read_them(project):
                 wrong.append(f"{oct(mode)} {p.relative_to(project.root)}")
     assert not wrong, wrong
     assert seen["file"] > 10 and seen["dir"] > 3
+
+
+def test_a_handler_installed_by_the_training_does_not_swallow_an_eviction(project):
+    """At step 12 the training installs its own SIGTERM handler; SIGTERM at step 25 still stops the loop at a step
+    boundary with a checkpoint (exit 75), theirs is called too, and the rerun resumes and finishes."""
+    evicted = project.run("+job=t", env={"GWL_TEST_OWN_HANDLER": "12", "GWL_TEST_SIGTERM_AT": "25"}, check=75)
+    log = evicted.stdout + evicted.stderr
+    assert "the handler of SIGTERM was replaced (by " in log and "trainer.fit.<locals>.own)" in log, log
+    assert log.count("the handler of SIGTERM was replaced") == 1
+    assert "loop ended after step 26" in log, log
+    assert (project.root / "own_handler_calls").read_text() == f"{int(signal.SIGTERM)}\n"
+    resumed = project.run("+job=t", check=0)
+    assert "resuming from step 26" in resumed.stdout + resumed.stderr

@@ -9,6 +9,8 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_BAD=escape|column|raise  misuse the API on purpose, or raise at step 5
   GWL_TEST_NOTE=1             write output.path / "note.txt" directly (not through output.file)
   GWL_TEST_NAN_AT=k           the loss of step k is NaN (before backward: the weights turn NaN too)
+  GWL_TEST_OWN_HANDLER=k      at step k install a SIGTERM handler of its own (as profilers do) that appends a line
+                              to ./own_handler_calls
   GWL_TEST_EXTRA_MB=m[:k]     checkpoints carry an extra float32 tensor of m MiB (from step k on), filled with
                               the step (no RNG drawn, so the training is the same as without it)
 """
@@ -59,6 +61,7 @@ def fit(data, output, run, config: Params):
     blob = torch.empty(int(float(extra_mb) * 2**20) // 4) if float(extra_mb) else None
     columns = ["x", "y", "nope"] if os.environ.get("GWL_TEST_BAD") == "column" else ["x", "y"]
     nan_at = int(os.environ.get("GWL_TEST_NAN_AT", "-1"))
+    own_handler_at = int(os.environ.get("GWL_TEST_OWN_HANDLER", "-1"))
     for step, batch in run.steps(data.batches(config.batch_size, columns=columns)):
         loss = nn.functional.mse_loss(net(batch["x"]).squeeze(-1), batch["y"])
         if step == nan_at:
@@ -69,6 +72,11 @@ def fit(data, output, run, config: Params):
         run.log({"loss": loss.item()})
         if step == 5 and os.environ.get("GWL_TEST_BAD") == "raise":
             raise RuntimeError("boom at step 5")
+        if step == own_handler_at:
+            def own(signum, frame):
+                with open("own_handler_calls", "a") as fh:
+                    fh.write(f"{signum}\n")
+            signal.signal(signal.SIGTERM, own)
         if step == sigterm_at and run.rank == sigterm_rank:
             os.kill(os.getpid(), signal.SIGTERM)
         if step in pauses:
