@@ -61,6 +61,16 @@ class Dist:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
         return bool(t.item())
 
+    def max(self, value: int) -> int:
+        """The largest ``value`` over all ranks, on every rank (an int64; a collective: all ranks must call it)."""
+        if not self.enabled:
+            return int(value)
+        import torch.distributed as dist
+
+        t = torch.tensor([int(value)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
+        return int(t.item())
+
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (a picklable value; a collective)."""
         if not self.enabled:

@@ -16,6 +16,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
@@ -401,7 +402,7 @@ class Run:
                 self._stop.check_handlers()  # a library's own SIGTERM handler must not swallow an eviction
                 # One decision for all ranks (a collective in a multi-task run): a stop request seen by any
                 # rank stops every rank after the same step.
-                final = self.dist.any(self._stop.requested)
+                final = self._agree_on_stop()
                 if final and step > self.start_step and self._checkpoint_step == step:
                     self.evicted = True  # the step just done wrote its checkpoint: end here
                     break
@@ -438,6 +439,20 @@ class Run:
                 self._progress.close()
             if self.evicted:
                 log.warning("stop requested (%s): loop ended after step %d", self._stop.reason, self.step)
+
+    def _agree_on_stop(self) -> bool:
+        """Whether any rank was asked to stop; a rank that was not records the other's reason (for its log)."""
+        if not self.dist.enabled:
+            return self._stop.requested
+        stop = self._stop
+        # One collective carries who stopped and why: signal number (0: a request without a signal), then rank.
+        mine = ((int(stop.signum or 0) + 1) << 20) + self.dist.rank if stop.requested else 0
+        agreed = self.dist.max(mine)
+        if agreed and not stop.requested:
+            signum, rank = (agreed >> 20) - 1, agreed & ((1 << 20) - 1)
+            why = signal.Signals(signum).name if signum > 0 else "a stop request"
+            stop.request(f"{why} on rank {rank}")
+        return bool(agreed)
 
     # -- metrics ------------------------------------------------------------------------------------------------
     def log(self, metrics: Mapping[str, Any], step: int | None = None, tags: Mapping[str, Any] | None = None) -> None:

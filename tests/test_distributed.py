@@ -60,6 +60,9 @@ def test_stop_seen_by_one_rank_stops_all_and_resume_is_bit_identical(project):
     assert [r[0] for r in first] == [75, 75], first[0][2][-3000:] + "\n=====\n" + first[1][2][-6000:]
     for rc, so, se in first:
         assert "loop ended after step 24" in so + se, so + se
+    # Every rank logs the real reason, rank 0 too (it got no signal).
+    assert "stop requested (SIGTERM on rank 1): loop ended" in first[0][1] + first[0][2], first[0][2][-3000:]
+    assert "stop requested (SIGTERM): loop ended" in first[1][1] + first[1][2]
     run_dir = next((project.root / "runs" / "t.model").iterdir())
     ck = run_dir / "checkpoints" / "step-000000024"
     manifest = json.loads((ck / "MANIFEST.json").read_text())
