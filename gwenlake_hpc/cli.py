@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .errors import EXIT_USAGE, GwenlakeError
+from .signals import ignore_from_now_on, install_early
 
 log = logging.getLogger("gwenlake_hpc.cli")
 
@@ -161,6 +162,7 @@ def run_hydra(argv: Sequence[str]) -> int:
     import hydra
 
     from .config import conf_dir, register
+    from .signals import process_stop, release_early
 
     register()
     state = {"started": False, "code": 0}
@@ -171,6 +173,12 @@ def run_hydra(argv: Sequence[str]) -> int:
 
         state["started"] = True
         _setup_logging()
+        submits = cfg.get("cluster") is not None or cfg.launcher.get("name") == "slurm"
+        if submits:  # Ctrl-C must interrupt a submission or its wait at once
+            early = release_early()
+            if early is not None and early.signum is not None:
+                state["code"] = 128 + int(early.signum)
+                return
         if cfg.get("cluster") is not None:  # cluster=NAME: submit over SSH (launch/remote.py)
             from .launch.remote import cli_submit
 
@@ -178,12 +186,14 @@ def run_hydra(argv: Sequence[str]) -> int:
         elif cfg.launcher.get("name") == "slurm":
             state["code"] = _submit_slurm(cfg)
         else:
-            state["code"] = execute(cfg).exit_code
+            state["code"] = execute(cfg, stop=process_stop()).exit_code
 
     argv = list(argv)
     if ("-m" in argv or "--multirun" in argv) and "launcher=slurm" in argv \
             and not any(a.startswith("hydra/launcher=") for a in argv):
         argv.append("hydra/launcher=gwenlake_slurm")  # the sweep becomes one job array
+    if any(a.startswith("hydra/launcher=") for a in argv):
+        release_early()  # a launcher plug-in submits (and may wait): Ctrl-C must interrupt it at once
     saved = sys.argv
     sys.argv = [saved[0] if saved else "gwenlake_hpc", *argv]
     try:
@@ -225,7 +235,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in SUBCOMMANDS:
         _setup_logging()
         return run_subcommand(argv)
-    return run_hydra(argv)
+    install_early()  # before Hydra and torch load: no stop signal may kill a training on its way in or out
+    try:
+        return run_hydra(argv)
+    finally:
+        ignore_from_now_on()
 
 
 # --- gwenlake-train ------------------------------------------------------------------------------------------------
@@ -289,6 +303,7 @@ def _dotted_module(path: Path, root: Path) -> str | None:
 
 def train_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``gwenlake-train``: list or run decorated functions found under the current directory."""
+    install_early()
     _setup_logging()
     p = argparse.ArgumentParser(prog="gwenlake-train", description=(
         "Find @train functions under the current directory, list them, or run one locally. "
@@ -325,4 +340,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     for flag, key in (("steps", "steps"), ("epochs", "epochs"), ("eval_every", "eval_every"), ("seed", "seed")):
         if getattr(args, flag) is not None:
             overrides.append(f"job.{key}={getattr(args, flag)}")
-    return run_hydra(overrides)
+    try:
+        return run_hydra(overrides)
+    finally:
+        ignore_from_now_on()

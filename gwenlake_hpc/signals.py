@@ -124,6 +124,52 @@ class StopRequest:
         self.uninstall()
 
 
+_PROCESS_STOP: StopRequest | None = None
+
+
+def install_early() -> StopRequest:
+    """Install the stop handlers at the very start of a training process, and keep them until it exits.
+
+    Called by the command lines before Hydra, torch and the user's module are imported: a stop signal during
+    start-up (SLURM may signal early) or after the version was committed is recorded instead of killing the
+    process with the default action (exit 143). The job then uses this same :class:`StopRequest`
+    (:func:`process_stop`): a stop recorded before the loop ends it after its first step, with a checkpoint.
+    """
+    global _PROCESS_STOP
+    if _PROCESS_STOP is None:
+        _PROCESS_STOP = StopRequest()
+        _PROCESS_STOP.install()
+    return _PROCESS_STOP
+
+
+def release_early() -> StopRequest | None:
+    """Give the stop signals back their previous handlers (a command that turned out to submit and wait, where
+    Ctrl-C must interrupt at once). Returns the early StopRequest, whose ``signum`` tells a signal already
+    received, or None."""
+    global _PROCESS_STOP
+    stop, _PROCESS_STOP = _PROCESS_STOP, None
+    if stop is not None:
+        stop.uninstall()
+    return stop
+
+
+def ignore_from_now_on() -> None:
+    """Ignore the stop signals for the rest of the process (its work is done, it only exits).
+
+    Python puts back the default actions while the interpreter shuts down (a SIGTERM then exits 143 after a
+    committed version); an ignored signal stays ignored. Only where :func:`install_early` ran.
+    """
+    if _PROCESS_STOP is None or threading.current_thread() is not threading.main_thread():
+        return
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
+def process_stop() -> StopRequest | None:
+    """The StopRequest of :func:`install_early`, or None."""
+    return _PROCESS_STOP
+
+
 class _Chained:
     """Our handler, then the one a training installed over it (when that one is a function)."""
 

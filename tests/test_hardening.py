@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import stat
 import subprocess
 import sys
+import time
 
 
 def test_files_follow_the_umask_so_teammates_can_read_them(project):
@@ -51,3 +53,34 @@ def test_a_handler_installed_by_the_training_does_not_swallow_an_eviction(projec
     assert (project.root / "own_handler_calls").read_text() == f"{int(signal.SIGTERM)}\n"
     resumed = project.run("+job=t", check=0)
     assert "resuming from step 26" in resumed.stdout + resumed.stderr
+
+
+def _popen_job(project, *args, env=None):
+    full = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "gwenlake_hpc", *args], cwd=project.root, env=full,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigterm_while_starting_is_an_eviction_and_after_the_commit_is_ignored(project):
+    # During start-up (Hydra, torch and the trainer loading): the training runs one step, checkpoints, exits 75.
+    proc = _popen_job(project, "+job=t")
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, (out + err)[-3000:]
+    assert "stop requested (SIGTERM): loop ended after step 1" in out + err, (out + err)[-3000:]
+
+    # After the version line: the commit is done, SIGTERMs until the process is gone change nothing (exit 0).
+    proc = _popen_job(project, "+job=t")
+    line = ""
+    while not line.startswith("model t.model version"):
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, proc.stderr.read()[-3000:]
+    sent = 0
+    while proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+            sent += 1
+        time.sleep(0.01)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0 and sent > 0, (proc.returncode, sent)
