@@ -40,7 +40,8 @@ from .run import Run, async_default, seed_everything
 from .signals import StopRequest, shield_children
 from .tracking import NullTracker, Tracker, default_uri, flatten, is_sqlite, state_dir_for, validate_uri
 from .registry import after_commit, serving_info
-from .versioning import code_state, commit_model, default_model_repo, export_version, list_versions, open_model_repo
+from .versioning import (code_state, commit_model, default_model_repo, export_version, find_run_version, list_versions,
+                         open_model_repo)
 
 log = logging.getLogger("gwenlake_hpc.job")
 
@@ -611,16 +612,22 @@ def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any
     try:
         repo = p.model_repo()
         same_repo = code.repo_root is not None and Path(repo.working_dir).resolve() == code.repo_root.resolve()
-        version = commit_model(
-            repo, model_name, out_dir,
-            message=f"{model_name}: {run_name} at step {run.step}\n\n"
-                    + "".join(f"{k}: {v:.6g}\n" for k, v in sorted(metrics.items())),
-            code_commit=code.commit if same_repo else None,
-            extra_files={"metrics.json": (json.dumps(finite_json(metrics), indent=2, sort_keys=True, allow_nan=False)
-                                          + "\n").encode(),
-                         "lineage.json": (json.dumps(finite_json(lineage), indent=2, sort_keys=True, default=str,
-                                                     allow_nan=False) + "\n").encode()},
-        )
+        # A start killed between its commit and run.json committed this very version already: use it.
+        version = find_run_version(repo, model_name, f"{key}@{run.step}")
+        if version is not None:
+            log.warning("version %s of this run at step %d was committed by an earlier start that ended before "
+                        "recording it; using it (no second commit)", version[:12], run.step)
+        else:
+            version = commit_model(
+                repo, model_name, out_dir, run=f"{key}@{run.step}",
+                message=f"{model_name}: {run_name} at step {run.step}\n\n"
+                        + "".join(f"{k}: {v:.6g}\n" for k, v in sorted(metrics.items())),
+                code_commit=code.commit if same_repo else None,
+                extra_files={"metrics.json": (json.dumps(finite_json(metrics), indent=2, sort_keys=True, allow_nan=False)
+                                              + "\n").encode(),
+                             "lineage.json": (json.dumps(finite_json(lineage), indent=2, sort_keys=True, default=str,
+                                                         allow_nan=False) + "\n").encode()},
+            )
     except Exception as exc:
         log.error("the model could not be committed (%s); its files are kept in %s: commit them with "
                   "`python -m gwenlake_hpc models commit %s %s`", exc, out_dir, out_dir, model_name)

@@ -61,6 +61,7 @@ FALLBACK_EMAIL = "gwenlake_hpc@localhost"
 #: Trailer that marks a commit as a version of a model; list_versions keeps only these commits,
 #: so the walk does not list the code commits a first version descends from.
 MODEL_TRAILER = "Gwenlake-Model"
+RUN_TRAILER = "Gwenlake-Run"
 #: Trailer that records the code commit a version was trained from, even when that commit is
 #: not in the model repository (separate model repository).
 CODE_TRAILER = "Gwenlake-Code-Commit"
@@ -656,7 +657,8 @@ class _Builder:
 
 def commit_model(repo: git.Repo | PathLike, model_name: str, src_dir: PathLike, *, message: str,
                  code_commit: str | None = None, extra_files: Mapping[str, bytes] | None = None,
-                 max_attempts: int = 50, large_file_warning_bytes: int | None = None) -> str:
+                 max_attempts: int = 50, large_file_warning_bytes: int | None = None,
+                 run: str | None = None) -> str:
     """Commit the files of ``src_dir`` as a new version of ``model_name``; return its SHA.
 
     The version is a commit on branch ``models/<group>.<name>`` (see model_branch) built with
@@ -690,6 +692,9 @@ def commit_model(repo: git.Repo | PathLike, model_name: str, src_dir: PathLike, 
         large_file_warning_bytes: a file of this size or more that the attributes do not send
             through git-lfs gets a warning; default $GWENLAKE_LFS_WARN_MB megabytes, else
             LARGE_FILE_WARNING_BYTES (50 MiB).
+        run: what produced the version (``<run key>@<final step>``), recorded as the trailer
+            ``Gwenlake-Run``, so that a job killed after its commit finds it again
+            (:func:`find_run_version`) instead of committing a second version.
 
     git-lfs: files the attributes mark ``filter=lfs`` are committed as pointer blobs (< 1 KB)
     and their content goes to ``.git/lfs/objects`` (git-lfs's clean filter, run by
@@ -729,6 +734,10 @@ def commit_model(repo: git.Repo | PathLike, model_name: str, src_dir: PathLike, 
         trailers = f"{MODEL_TRAILER}: {model_name}\n"
         if code_commit:
             trailers += f"{CODE_TRAILER}: {code_sha or code_commit.lower()}\n"
+        if run:
+            if "\n" in run:
+                raise ConfigError(f"commit_model: run must be one line, got {run!r}")
+            trailers += f"{RUN_TRAILER}: {run}\n"
         msg_file = Path(tmpdir) / "message"
         msg_file.write_bytes((message.rstrip() + "\n\n" + trailers).encode("utf-8"))
 
@@ -848,13 +857,13 @@ class _Reader(Plumbing):
 
 
 def list_versions(repo: git.Repo | PathLike, model_name: str) -> list[dict]:
-    """Versions of ``model_name``, newest first: ``{"version", "date", "message"}`` dicts.
+    """Versions of ``model_name``, newest first: ``{"version", "date", "message", "run"}`` dicts.
 
     Walks the first parents of branch ``models/<group>.<name>`` and keeps the commits made by
     commit_model (those with a ``Gwenlake-Model: <model_name>`` trailer), so the code commits a
     first version descends from are not listed. ``version`` is the 40-hex SHA, ``date`` the
     committer date in strict ISO 8601, ``message`` the message given to commit_model (without
-    the trailers). Returns [] when the branch does not exist. Raises ConfigError on a bad
+    the trailers), ``run`` the ``Gwenlake-Run`` trailer or None. Returns [] when the branch does not exist. Raises ConfigError on a bad
     model name.
     """
     _split_model_name(model_name)
@@ -875,8 +884,16 @@ def list_versions(repo: git.Repo | PathLike, model_name: str) -> list[dict]:
         message, trailers = _strip_trailers(body)
         if trailers.get(MODEL_TRAILER) != model_name:
             continue
-        versions.append({"version": sha.strip(), "date": date, "message": message})
+        versions.append({"version": sha.strip(), "date": date, "message": message, "run": trailers.get(RUN_TRAILER)})
     return versions
+
+
+def find_run_version(repo: git.Repo | PathLike, model_name: str, run: str) -> str | None:
+    """The newest version of ``model_name`` committed with ``run=run`` (see :func:`commit_model`), or None."""
+    for v in list_versions(repo, model_name):
+        if v.get("run") == run:
+            return str(v["version"])
+    return None
 
 
 def read_file(repo: git.Repo | PathLike, model_name: str, version: str, relpath: str) -> bytes:

@@ -84,3 +84,28 @@ def test_sigterm_while_starting_is_an_eviction_and_after_the_commit_is_ignored(p
         time.sleep(0.01)
     proc.communicate(timeout=60)
     assert proc.returncode == 0 and sent > 0, (proc.returncode, sent)
+
+
+def test_a_start_killed_between_its_commit_and_its_record_commits_no_second_version(project):
+    """The state a SIGKILL leaves right after the version commit: the branch has the version, run.json does not.
+    The rerun finds the version by its run key and final step and commits nothing new."""
+    import json
+
+    from gwenlake_hpc.versioning import list_versions
+
+    first = project.run("+job=t", "job.steps=30", check=0)
+    version = first.stdout.strip().splitlines()[-1].split()[-1]
+    info_path = next((project.root / "runs" / "t.model").iterdir()) / "run.json"
+    info = json.loads(info_path.read_text())
+    info["completed"], info["completions"] = None, []
+    info_path.write_text(json.dumps(info))
+    again = project.run("+job=t", "job.steps=30", check=0)
+    assert again.stdout.strip().splitlines()[-1] == f"model t.model version {version}"
+    assert "committed by an earlier start that ended before recording it" in again.stdout + again.stderr
+    versions = list_versions(project.root, "t.model")
+    assert [v["version"] for v in versions] == [version]
+    assert versions[0]["run"] == f"{json.loads(info_path.read_text())['run_key']}@30"
+    # A longer run of the same key is a new version.
+    longer = project.run("+job=t", "job.steps=40", check=0)
+    assert longer.stdout.strip().splitlines()[-1] != f"model t.model version {version}"
+    assert len(list_versions(project.root, "t.model")) == 2

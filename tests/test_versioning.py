@@ -508,7 +508,7 @@ def test_export_and_read_round_trip(tmp_path):
     assert [v["message"] for v in versions] == ["second", "first\n\nwith a body"]
     assert all(isinstance(datetime.datetime.fromisoformat(v["date"]), datetime.datetime)
                for v in versions)
-    assert set(versions[0]) == {"version", "date", "message"}
+    assert set(versions[0]) == {"version", "date", "message", "run"} and versions[0]["run"] is None
     # The user's work tree is not used for reads.
     assert g(models, "status", "--porcelain", "--untracked-files=all") == b""
 
