@@ -296,8 +296,9 @@ def _length(job: Any, defaults: Mapping[str, Any]) -> tuple[Any, Any]:
 
 def _check_settings(cfg: Any, steps: Any, epochs: Any, eval_every: Any) -> None:
     """Refuse bad settings before anything is written (run.json, tracking, checkpoints)."""
-    if steps is not None and (not isinstance(steps, int) or steps < 0):
-        raise ConfigError(f"job.steps={steps!r}: must be an integer >= 0")
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        # 0 would commit an untrained model as a version (and move `candidate` to it)
+        raise ConfigError(f"job.steps={steps!r}: must be an integer >= 1 (a training of 0 steps trains nothing)")
     if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
         raise ConfigError(f"job.epochs={epochs!r}: must be an integer >= 1")
     if not isinstance(eval_every, int) or eval_every < 1:
@@ -581,6 +582,17 @@ def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any
         tracker.finish("KILLED", timeout_s=min(finish_timeout, 20.0))
         return JobResult(EXIT_EVICTED, None, run_dir, run.step)
 
+    if result is not None and not isinstance(result, Mapping):
+        tracker.finish("FAILED", timeout_s=finish_timeout)
+        raise ConfigError(f"{tf.target} returned {type(result).__name__} {str(result)[:80]!r}: return a dict of "
+                          "numbers (the model's metrics), or None for run.summary(); nothing is committed, and the "
+                          "same job resumes from its final checkpoint once the function is fixed")
+    if not any(f.is_file() for f in (run_dir / "output").rglob("*")):
+        log.error("%s wrote no file into its Output: nothing is committed (a version without a model is no use). "
+                  "Save the model with output.file(NAME), then run the same job again: it resumes from its final "
+                  "checkpoint", tf.target)
+        tracker.finish("FAILED", timeout_s=finish_timeout)
+        return JobResult(EXIT_FAILED, None, run_dir, run.step)
     metrics = result if isinstance(result, Mapping) else run.summary()
     try:
         metrics = {str(k): float(v) for k, v in metrics.items()}

@@ -40,6 +40,7 @@ def trained(project):
     (["+job=t", "job.target=no_such_module:fit"], "no_such_module"),
     ([], "+job=NAME"),
     (["+job=t", "job.steps=-5"], "job.steps"),
+    (["+job=t", "job.steps=0"], "job.steps=0: must be an integer >= 1"),  # would commit an untrained model
     (["+job=t", "job.eval_every=0"], "job.eval_every"),
     (["+job=t", "launcher.progress=banana"], "launcher.progress"),
     (["+job=t", "job.seed=-1"], "job.seed"),  # refused before a run directory is made for that seed

@@ -109,3 +109,20 @@ def test_a_start_killed_between_its_commit_and_its_record_commits_no_second_vers
     longer = project.run("+job=t", "job.steps=40", check=0)
     assert longer.stdout.strip().splitlines()[-1] != f"model t.model version {version}"
     assert len(list_versions(project.root, "t.model")) == 2
+
+
+def test_a_function_that_saves_no_model_or_returns_a_str_commits_nothing(project):
+    from gwenlake_hpc.versioning import list_versions
+
+    none = project.run("+job=t", "job.steps=20", env={"GWL_TEST_BAD": "nooutput"})
+    log = none.stdout + none.stderr
+    assert none.returncode == 1, log
+    assert "wrote no file into its Output: nothing is committed" in log and "output.file(NAME)" in log
+    text = project.run("+job=t", "job.steps=20", env={"GWL_TEST_BAD": "str"})
+    log = text.stdout + text.stderr
+    assert text.returncode == 2, log
+    assert "returned str 'done': return a dict of numbers" in log and "Traceback" not in log
+    assert list_versions(project.root, "t.model") == []
+    fixed = project.run("+job=t", "job.steps=20", check=0)  # the function fixed: resumes from step 20, commits
+    assert "resuming from step 20" in fixed.stdout + fixed.stderr
+    assert len(list_versions(project.root, "t.model")) == 1

@@ -6,7 +6,8 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_SIGKILL_IN_CKPT=k  SIGKILL half-way through writing the checkpoint of step k
   GWL_TEST_PAUSE=k:reached:go at step k, create file `reached` and wait for file `go` (may repeat, ';'-separated)
   GWL_TEST_SLEEP=s            sleep s seconds per step
-  GWL_TEST_BAD=escape|column|raise  misuse the API on purpose, or raise at step 5
+  GWL_TEST_BAD=escape|column|raise|nooutput|str  misuse the API on purpose (write no output, return a str), or
+                              raise at step 5
   GWL_TEST_NOTE=1             write output.path / "note.txt" directly (not through output.file)
   GWL_TEST_NAN_AT=k           the loss of step k is NaN (before backward: the weights turn NaN too)
   GWL_TEST_OWN_HANDLER=k      at step k install a SIGTERM handler of its own (as profilers do) that appends a line
@@ -104,6 +105,10 @@ def fit(data, output, run, config: Params):
         return None
     if os.environ.get("GWL_TEST_BAD") == "escape":
         output.file("../escaped.txt").write_text("must not happen")
+    if os.environ.get("GWL_TEST_BAD") == "nooutput":
+        return {"final_loss": 0.0}
+    if os.environ.get("GWL_TEST_BAD") == "str":
+        return "done"
     save_state(output.file("model.safetensors"), model=model)
     if os.environ.get("GWL_TEST_NOTE"):
         (output.path / "note.txt").write_text(f"rank {run.rank} of {run.world_size}\n")
