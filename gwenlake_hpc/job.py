@@ -18,6 +18,7 @@ import platform
 import re
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -260,6 +261,7 @@ def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
     dataset_facts: dict[str, Any] = {}
     model_versions: dict[str, str] = {}
     repo_path = Path(paths.model_repo).expanduser().resolve() if paths.get("model_repo") else None
+    _check_paths(runs_root, Path(paths.data_root).expanduser().resolve(), repo_path)
     for name, b in tf.bindings.items():
         if isinstance(b, Input):
             ds = catalog.open(b.name)
@@ -278,6 +280,34 @@ def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
                    tracking_uri=tracking_uri, runs_root=runs_root, repo_path=repo_path, inputs=inputs,
                    datasets=datasets, dataset_facts=dataset_facts, model_versions=model_versions, key=key,
                    run_dir=runs_root / tf.output.name / key)
+
+
+def _check_paths(runs_root: Path, data_root: Path, repo_path: Path | None) -> None:
+    """Refuse, before any work, folders the job could only fail on later (after hours of training, for the model
+    repository). Writes nothing but the runs root folder itself, and a probe file that is removed at once.
+
+    Raises:
+        ConfigError: naming the ``paths.*`` setting and what to do.
+    """
+    if data_root.exists() and not data_root.is_dir():
+        raise ConfigError(f"paths.data_root={data_root} is a file, not a folder: point it to the folder that holds "
+                          "the datasets (<data_root>/<group>/<name>.h5)")
+    if runs_root.exists() and not runs_root.is_dir():
+        raise ConfigError(f"paths.runs_root={runs_root} is a file, not a folder: point it to a writable folder")
+    try:
+        runs_root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=runs_root, prefix=".gwenlake-probe-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"paths.runs_root={runs_root} cannot be written ({exc.strerror or exc}): point it to a "
+                          "writable folder on the shared filesystem (run directories and checkpoints go there)") \
+            from None
+    if repo_path is not None and repo_path.exists():
+        if not repo_path.is_dir():
+            raise ConfigError(f"paths.model_repo={repo_path} is a file, not a git repository: point it to a "
+                              "repository, or to a new folder (one is created there)")
+        if any(repo_path.iterdir()):
+            open_model_repo(repo_path, create=False)  # ConfigError when it is not a repository's top level
 
 
 def _length(job: Any, defaults: Mapping[str, Any]) -> tuple[Any, Any]:

@@ -22,6 +22,7 @@ def snapshot(root):
 @pytest.fixture
 def trained(project):
     project.run("+job=t", "job.tracking=false", check=0)
+    (project.root / "afile").write_text("a plain file where a folder is expected\n")
     return project
 
 
@@ -45,6 +46,12 @@ def trained(project):
     (["+job=t", "launcher.progress=banana"], "launcher.progress"),
     (["+job=t", "job.seed=-1"], "job.seed"),  # refused before a run directory is made for that seed
     (["+job=t", "job.steps=10", "job.epochs=2"], "both set"),  # never one of the two silently ignored
+    # Folders the job would only fail on later (the model repository: after the whole training).
+    (["+job=t", "paths.data_root=afile"], "afile is a file, not a folder"),
+    (["+job=t", "paths.runs_root=afile"], "afile is a file, not a folder"),
+    (["+job=t", "paths.runs_root=/proc/gwenlake-runs"], "paths.runs_root=/proc/gwenlake-runs cannot be written"),
+    (["+job=t", "paths.model_repo=afile"], "paths.model_repo="),
+    (["+job=t", "paths.model_repo=conf"], "is not a git repository"),
 ])
 def test_config_errors_exit_2_and_delete_nothing(trained, args, needle):
     before = snapshot(trained.root)
