@@ -18,7 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import ConfigError
+from .errors import ConfigError, TrainDefinitionError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*\.[A-Za-z0-9][A-Za-z0-9_-]*$")
 
@@ -196,7 +196,7 @@ class TrainFunction:
         accepts_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
         missing = [n for n in [*bindings, "run"] if n not in params and not accepts_kwargs]
         if missing:
-            raise TypeError(f"@train on {fn.__qualname__}: the function has no parameter for "
+            raise TrainDefinitionError(f"@train on {fn.__qualname__}: the function has no parameter for "
                             f"{', '.join(missing)}; add it to the signature")
         self.wants_config = "config" in params
         self.config_type = None
@@ -209,7 +209,7 @@ class TrainFunction:
                 self.config_type = hint
         outputs = [n for n, b in bindings.items() if isinstance(b, Output)]
         if len(outputs) != 1:
-            raise TypeError(f"@train on {fn.__qualname__}: declare exactly one Output (found {len(outputs)})")
+            raise TrainDefinitionError(f"@train on {fn.__qualname__}: declare exactly one Output (found {len(outputs)})")
         self.output_binding = outputs[0]
 
     @property
@@ -289,7 +289,7 @@ def train(*, prepare: Callable[..., Any] | None = None, **kwargs: Any) -> Callab
         elif key in DEFAULTS:
             defaults[key] = value
         else:
-            raise TypeError(f"@train got {key}={value!r}: not a binding (Input/Output/Model) nor a setting "
+            raise TrainDefinitionError(f"@train got {key}={value!r}: not a binding (Input/Output/Model) nor a setting "
                             f"({', '.join(DEFAULTS)})")
 
     def decorate(fn: Callable[..., Any]) -> TrainFunction:

@@ -248,14 +248,15 @@ _SKIP_DIRS = {".git", ".venv", "venv", "env", "__pycache__", "site-packages", "n
               "models", "outputs", "multirun", "build", "dist", "tests", "gwenlake_hpc"}
 
 
-def discover(root: Path) -> dict[str, "object"]:
+def discover(root: Path, skipped: dict[str, str] | None = None) -> dict[str, "object"]:
     """Import the Python files under ``root`` that use ``@train`` and return the decorated functions.
 
     Only files whose text mentions both ``gwenlake_hpc`` and ``@train`` are imported, so scanning a project
     does not run its other scripts. Files that fail to import are reported and skipped.
 
     Returns:
-        target (``path.py:function``) -> TrainFunction.
+        target (``path.py:function``) -> TrainFunction. Targets that failed to load go into ``skipped``
+        (target -> reason) when given.
     """
     from .api import TrainFunction
     from .job import load_target
@@ -283,6 +284,8 @@ def discover(root: Path) -> dict[str, "object"]:
                     tf = load_target(target)
                 except Exception as exc:  # a broken file must not hide the others
                     log.warning("skipping %s: %s", target, exc)
+                    if skipped is not None:
+                        skipped[target] = str(exc)
                     continue
                 if isinstance(tf, TrainFunction):
                     found[target] = tf
@@ -316,9 +319,11 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--eval-every", type=int, help="steps between evaluations (job.eval_every)")
     p.add_argument("--seed", type=int, help="seed (job.seed)")
     p.add_argument("--root", default=".", help="directory to search (default: current directory)")
-    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    # Intermixed: overrides may come after flags (gwenlake-train fit --steps 500 paths.runs_root=X).
+    args = p.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
 
-    found = discover(Path(args.root))
+    skipped: dict[str, str] = {}
+    found = discover(Path(args.root), skipped)
     if args.list:
         if not found:
             print("no @train functions found under", Path(args.root).resolve())
@@ -331,6 +336,10 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         matches = [args.name]
     else:
         matches = [t for t in found if args.name is None or t.rsplit(":", 1)[1] == args.name]
+    broken = [t for t in skipped if args.name and (t == args.name or t.rsplit(":", 1)[1] == args.name)]
+    if not matches and broken:
+        print(f"error: {skipped[broken[0]]}", file=sys.stderr)
+        return EXIT_USAGE
     if len(matches) != 1:
         choices = ", ".join(found) or "none"
         print(f"error: {'no' if not matches else 'several'} training functions match "

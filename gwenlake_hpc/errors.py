@@ -26,6 +26,11 @@ class ConfigError(GwenlakeError, ValueError):
     exit_code = EXIT_USAGE
 
 
+class TrainDefinitionError(ConfigError, TypeError):
+    """``@train`` misused (a parameter missing for a binding or for ``run``, not one ``Output``): a TypeError
+    as a wrong call is, and a usage error (exit 2) when a job imports the function."""
+
+
 class DataError(ConfigError):
     """A dataset is missing or malformed (missing column, ragged column lengths, bad name)."""
 

@@ -88,7 +88,13 @@ def load_target(target: str) -> TrainFunction:
             assert spec and spec.loader
             module = importlib.util.module_from_spec(spec)
             sys.modules[mod_name] = module
-            spec.loader.exec_module(module)
+            try:
+                spec.loader.exec_module(module)
+            except BaseException as exc:
+                del sys.modules[mod_name]  # half-imported: a later lookup must not find it without its functions
+                if isinstance(exc, ConfigError):  # a misused @train: its message says what to change
+                    raise ConfigError(f"job.target={target!r}: importing {path.name} failed: {exc}") from None
+                raise
     else:
         if "" not in sys.path and os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
@@ -99,6 +105,8 @@ def load_target(target: str) -> TrainFunction:
                 raise ConfigError(f"job.target={target!r}: module {mod_part!r} not found "
                                   f"(run from the project directory, or give a file path)") from exc
             raise
+        except ConfigError as exc:
+            raise ConfigError(f"job.target={target!r}: importing {mod_part} failed: {exc}") from None
     obj: Any = module
     for part in qualname.split("."):
         if not hasattr(obj, part):

@@ -36,7 +36,7 @@ def test_train_steps_interrupt_and_resume(project):
     proc.send_signal(signal.SIGINT)  # Ctrl-C
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 75, out + err
-    again = train_cmd(project, "--steps", "500", "fit", "job.tracking=false")
+    again = train_cmd(project, "fit", "--steps", "500", "job.tracking=false")  # an override after a flag
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resuming from step" in again.stdout + again.stderr
     assert again.stdout.strip().splitlines()[-1].startswith("model t.model version ")
@@ -79,3 +79,25 @@ def test_models_list_and_commit_by_hand(project):
     sha = proc.stdout.split()[-1]
     listed = project.run("models", "list", "t.model", check=0).stdout.splitlines()
     assert len(listed) == 2 and listed[0].startswith(sha) and "hand-tuned" in listed[0]
+
+
+def test_a_misused_decorator_is_reported_as_the_cause(project):
+    """@train on a function without `run`, or without an Output: exit 2 naming what to change, by target or by
+    name, never "has no attribute"."""
+    (project.root / "bad.py").write_text(
+        "from gwenlake_hpc import Input, Output, train\n\n"
+        "@train(data=Input('t.rows'), output=Output('t.bad'), steps=10)\n"
+        "def norun(data, output):\n    return None\n")
+    (project.root / "bad2.py").write_text(
+        "from gwenlake_hpc import Input, train\n\n"
+        "@train(data=Input('t.rows'), steps=10)\n"
+        "def noout(data, run):\n    return None\n")
+    for args, needle in ((["bad.py:norun"], "the function has no parameter for run; add it to the signature"),
+                         (["norun"], "the function has no parameter for run; add it to the signature"),
+                         (["bad2.py:noout"], "declare exactly one Output (found 0)")):
+        proc = train_cmd(project, *args, "job.tracking=false")
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert needle in proc.stderr and "has no attribute" not in proc.stderr.splitlines()[-1], proc.stderr
+        assert "Traceback" not in proc.stderr
+    job = project.run("+job=t", "job.target=bad.py:norun")
+    assert job.returncode == 2 and "importing bad.py failed: @train on norun" in job.stdout + job.stderr
