@@ -189,6 +189,12 @@ def run_hydra(argv: Sequence[str]) -> int:
             state["code"] = execute(cfg, stop=process_stop()).exit_code
 
     argv = list(argv)
+    for arg in argv:  # Hydra's lexer refuses unquoted non-ASCII values with no hint: say how to quote them
+        key, eq, value = arg.partition("=")
+        if eq and not value.startswith(("'", '"')) and not value.isascii():
+            print(f"error: {arg}: Hydra's override grammar takes non-ASCII characters only inside quotes; write "
+                  f"{key}='{value}' (in a shell: \"{key}='{value}'\")", file=sys.stderr)
+            return EXIT_USAGE
     if ("-m" in argv or "--multirun" in argv) and "launcher=slurm" in argv \
             and not any(a.startswith("hydra/launcher=") for a in argv):
         argv.append("hydra/launcher=gwenlake_slurm")  # the sweep becomes one job array

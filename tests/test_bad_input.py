@@ -52,6 +52,7 @@ def trained(project):
     (["+job=t", "paths.runs_root=/proc/gwenlake-runs"], "paths.runs_root=/proc/gwenlake-runs cannot be written"),
     (["+job=t", "paths.model_repo=afile"], "paths.model_repo="),
     (["+job=t", "paths.model_repo=conf"], "is not a git repository"),
+    (["+job=t", "job.model=modèle"], "job.model='modèle'"),  # Hydra's lexer refuses it unquoted: say how
 ])
 def test_config_errors_exit_2_and_delete_nothing(trained, args, needle):
     before = snapshot(trained.root)
@@ -97,3 +98,20 @@ def test_output_path_escape(project):
     # the final checkpoint is kept: a corrected rerun trains nothing and commits
     again = project.run("+job=t", "job.tracking=false", check=0)
     assert "resuming from step 60" in again.stdout + again.stderr
+
+
+def test_a_cluster_file_with_only_the_connection_keys_takes_the_launcher_defaults(project):
+    from hydra import compose, initialize_config_dir
+
+    from gwenlake_hpc.config import SlurmLauncherConfig, register
+    from gwenlake_hpc.launch.remote import effective_launcher
+
+    (project.root / "conf" / "cluster" / "mini.yaml").write_text(
+        "defaults:\n  - cluster_schema\n  - _self_\nhost: login.example.org\nremote_dir: /shared/me/project\n")
+    register()
+    with initialize_config_dir(config_dir=str(project.root / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["+job=t", "cluster=mini"])
+    lc = effective_launcher(cfg, [])
+    defaults = SlurmLauncherConfig()
+    assert (lc.timeout_min, lc.max_retries, lc.partition) == (defaults.timeout_min, defaults.max_retries,
+                                                              defaults.partition)
