@@ -138,6 +138,17 @@ class CheckpointWriter:
         return self._pending.path(name)
 
 
+
+def _length_of(batches: Any) -> int | None:
+    """``len(batches)``, or None when unknown: no ``__len__``, or one that raises ``TypeError`` (a torch DataLoader
+    over an ``IterableDataset`` without ``__len__``)."""
+    if batches is None or not hasattr(batches, "__len__"):
+        return None
+    try:
+        return len(batches)
+    except TypeError:
+        return None
+
 class Run:
     """Owns the loop of one training; passed to the decorated function as ``run``.
 
@@ -299,13 +310,13 @@ class Run:
         return self.world_size > 1 and hasattr(batches, "epoch") and hasattr(batches, "__len__")
 
     def _resolve_total(self, batches: Any) -> tuple[int, int | None]:
-        per_epoch = len(batches) if batches is not None and hasattr(batches, "__len__") else None
+        per_epoch = _length_of(batches)
         if per_epoch == 0:
             raise ConfigError("run.steps(): the batches are empty (0 batches per epoch)")
         if per_epoch is not None and self._sharded(batches):
             per_epoch //= self.world_size
             if per_epoch == 0:
-                raise ConfigError(f"run.steps(): {len(batches)} batches per epoch cannot be shared by "
+                raise ConfigError(f"run.steps(): {_length_of(batches)} batches per epoch cannot be shared by "
                                   f"{self.world_size} ranks; use a smaller batch_size or fewer tasks")
         if self._steps_setting is not None:
             total = self._steps_setting
@@ -388,6 +399,8 @@ class Run:
             set_rng_state(self._run_state["rng"])
         if self.resumed:
             log.info("resuming from step %d (%s)", self.start_step, self.resume_path)
+        elif self.is_main:  # say where it looked: a mistyped paths.runs_root would otherwise start over silently
+            log.info("no checkpoint of this run in %s: training from step 0", self.store.root)
         if self.start_step >= total:
             if self.start_step > total:
                 log.warning("checkpoint at step %d is beyond the %d steps asked for: nothing to train",

@@ -95,6 +95,8 @@ def test_a_start_killed_between_its_commit_and_its_record_commits_no_second_vers
 
     first = project.run("+job=t", "job.steps=30", check=0)
     version = first.stdout.strip().splitlines()[-1].split()[-1]
+    run_dir = next((project.root / "runs" / "t.model").iterdir())
+    assert f"no checkpoint of this run in {run_dir / 'checkpoints'}: training from step 0" in first.stderr + first.stdout
     info_path = next((project.root / "runs" / "t.model").iterdir()) / "run.json"
     info = json.loads(info_path.read_text())
     info["completed"], info["completions"] = None, []

@@ -152,3 +152,20 @@ def test_progress_line_reports_rate_and_eta():
     p.loss = 0.25
     line = p.line(600, now=p._t0 + 4.0)  # 400 steps in 4 s
     assert line == "step 600/1000 (60.0%) loss 0.25 100.0 steps/s ETA 0:00:04"
+
+
+def test_a_dataloader_over_an_iterable_dataset_without_len_runs_job_steps(tmp_path):
+    """torch's DataLoader defines __len__, which raises TypeError for an IterableDataset without one: the
+    length is then unknown, job.steps sets it, and the stream is re-iterated as epochs."""
+    import torch
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+    loader = torch.utils.data.DataLoader(Stream(), batch_size=None)
+    run = make_run(tmp_path, steps=10)
+    got = [(step, int(batch)) for step, batch in run.steps(loader)]
+    assert got == [(s, (s - 1) % 4) for s in range(1, 11)]
+    with pytest.raises(ConfigError, match="set job.steps"):
+        list(make_run(tmp_path / "e", steps=None, epochs=2).steps(loader))
