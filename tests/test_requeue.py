@@ -76,3 +76,28 @@ def test_additional_parameters_keys_and_resources_are_checked():
         sbatch_parameters(_launcher(mem_gb=-1), "job")
     assert sbatch_parameters(_launcher(additional_parameters={"mail-type": "END"}), "job")[
         "additional_parameters"]["mail-type"] == "END"
+
+
+def test_status_takes_restarts_from_the_run_record_once_slurm_forgot_the_job(tmp_path, monkeypatch):
+    import json
+
+    from gwenlake_hpc.launch import status
+
+    starts = [{"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "0", "SLURM_PROCID": "0"},  # another job of the run
+              {"SLURM_JOB_ID": "42", "SLURM_PROCID": "0"},
+              {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1", "SLURM_PROCID": "0"},
+              {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "2", "SLURM_PROCID": "0"},
+              {"SLURM_JOB_ID": "43", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "3",
+               "SLURM_RESTART_COUNT": "1", "SLURM_PROCID": "0"}]
+    info = {"starts": starts}
+    assert status.restarts_from_record(info, "42") == 2
+    assert status.restarts_from_record(info, "41") == 0
+    assert status.restarts_from_record(info, "40_3") == 1
+    assert status.restarts_from_record(info, "40_4") is None and status.restarts_from_record({}, "42") is None
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(json.dumps(info))
+    monkeypatch.setattr(status, "slurm_state", lambda job_id: ("COMPLETED", None))  # sacct: no Restarts field
+    s = status.job_status({"job_id": "42", "run_dir": str(run_dir), "model": "t.model"})
+    assert (s.state, s.restarts) == ("COMPLETED", 2)

@@ -26,7 +26,9 @@ class JobStatus:
         job_id: SLURM job id (``<id>`` or ``<array id>_<task>``).
         state: SLURM state (``PENDING``, ``RUNNING``, ``PREEMPTED``, ``REQUEUED``, ``COMPLETED``, ...), from
             ``squeue`` while the job is queued or running, else ``sacct``; ``UNKNOWN`` if neither knows it.
-        restarts: SLURM's restart count (``scontrol show job``), None once SLURM forgot the job.
+        restarts: SLURM's restart count (``scontrol show job``); once SLURM forgot the job (``MinJobAge``), the
+            count the run recorded itself (``SLURM_RESTART_COUNT`` of each start in ``run.json``); None if
+            neither knows.
         step: newest complete checkpoint's step, None if none.
         checkpoint: its directory.
         tracking_run_id: the MLflow run id stored in the run directory.
@@ -64,6 +66,22 @@ def slurm_state(job_id: str, run=_run) -> tuple[str, int | None]:
     return (states[-1].split()[0] if states else "UNKNOWN"), None
 
 
+def restarts_from_record(info: dict, job_id: str) -> int | None:
+    """The restart count of SLURM job ``job_id`` (``<id>`` or ``<array id>_<task>``) as the run recorded it: the
+    highest ``SLURM_RESTART_COUNT`` among the starts of ``run.json`` made by that job, 0 for a job that started
+    once; None when no start of the run came from it."""
+    array, _, task = job_id.partition("_")
+    counts = []
+    for start in info.get("starts") or []:
+        if task:
+            mine = start.get("SLURM_ARRAY_JOB_ID") == array and start.get("SLURM_ARRAY_TASK_ID") == task
+        else:
+            mine = start.get("SLURM_JOB_ID") == job_id
+        if mine and start.get("SLURM_PROCID", "0") == "0":
+            counts.append(int(start.get("SLURM_RESTART_COUNT") or 0))
+    return max(counts) if counts else None
+
+
 def job_status(record: dict) -> JobStatus:
     """Status of one submitted job record (see :func:`gwenlake_hpc.launch.slurm.job_records`); a record with a
     ``cluster`` is asked over SSH (:mod:`gwenlake_hpc.launch.remote`)."""
@@ -77,6 +95,8 @@ def job_status(record: dict) -> JobStatus:
     ck = CheckpointStore(run_dir / "checkpoints", record.get("run_key") or run_dir.name).complete() \
         if (run_dir / "checkpoints").is_dir() else []
     run_id_file = run_dir / "tracking" / "run_id"
+    if restarts is None:
+        restarts = restarts_from_record(info, record["job_id"])
     return JobStatus(record["job_id"], state, restarts, ck[-1].step if ck else None, ck[-1].path if ck else None,
                      run_id_file.read_text().strip() if run_id_file.exists() else None,
                      (info.get("completed") or {}).get("version"), run_dir)
