@@ -39,7 +39,8 @@ from .distributed import setup as setup_distributed
 from .distributed import teardown as teardown_distributed
 from .run import Run, async_default, seed_everything
 from .signals import StopRequest, shield_children
-from .tracking import NullTracker, Tracker, default_uri, flatten, is_sqlite, state_dir_for, validate_uri
+from .tracking import (NullTracker, Tracker, default_uri, flatten, is_sqlite, sqlite_path, state_dir_for,
+                       validate_uri)
 from .registry import after_commit, serving_info
 from .versioning import (code_state, commit_model, default_model_repo, export_version, find_run_version, list_versions,
                          open_model_repo)
@@ -260,6 +261,8 @@ def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
     tracking_uri = None
     if _setting(job, d, "tracking"):
         tracking_uri = validate_uri(cfg.tracking.uri) if cfg.tracking.get("uri") else default_uri(runs_root)
+    repo_path = Path(paths.model_repo).expanduser().resolve() if paths.get("model_repo") else None
+    _check_paths(runs_root, Path(paths.data_root).expanduser().resolve(), repo_path, tracking_uri)
     if tf.prepare is not None:
         tf.prepare(catalog, config_obj)
 
@@ -268,8 +271,6 @@ def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
     datasets: dict[str, str] = {}
     dataset_facts: dict[str, Any] = {}
     model_versions: dict[str, str] = {}
-    repo_path = Path(paths.model_repo).expanduser().resolve() if paths.get("model_repo") else None
-    _check_paths(runs_root, Path(paths.data_root).expanduser().resolve(), repo_path)
     for name, b in tf.bindings.items():
         if isinstance(b, Input):
             ds = catalog.open(b.name)
@@ -290,13 +291,16 @@ def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
                    run_dir=runs_root / tf.output.name / key)
 
 
-def _check_paths(runs_root: Path, data_root: Path, repo_path: Path | None) -> None:
+def _check_paths(runs_root: Path, data_root: Path, repo_path: Path | None, tracking_uri: str | None) -> None:
     """Refuse, before any work, folders the job could only fail on later (after hours of training, for the model
     repository). Writes nothing but the runs root folder itself, and a probe file that is removed at once.
 
     Raises:
         ConfigError: naming the ``paths.*`` setting and what to do.
     """
+    for key, value in (("paths.runs_root", runs_root), ("paths.data_root", data_root), ("paths.model_repo", repo_path)):
+        if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in str(value)):
+            raise ConfigError(f"{key}={str(value)!r} holds control characters (a newline?): remove them")
     if data_root.exists() and not data_root.is_dir():
         raise ConfigError(f"paths.data_root={data_root} is a file, not a folder: point it to the folder that holds "
                           "the datasets (<data_root>/<group>/<name>.h5)")
@@ -310,6 +314,16 @@ def _check_paths(runs_root: Path, data_root: Path, repo_path: Path | None) -> No
         raise ConfigError(f"paths.runs_root={runs_root} cannot be written ({exc.strerror or exc}): point it to a "
                           "writable folder on the shared filesystem (run directories and checkpoints go there)") \
             from None
+    store = sqlite_path(tracking_uri) if tracking_uri and is_sqlite(tracking_uri) else None
+    if store is not None:
+        try:
+            store.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=store.parent, prefix=".gwenlake-probe-"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"tracking.uri={tracking_uri}: the store's folder {store.parent} cannot be written "
+                              f"({exc.strerror or exc}); point it to a writable folder, or use a tracking server "
+                              "(http://host:5000)") from None
     if repo_path is not None and repo_path.exists():
         if not repo_path.is_dir():
             raise ConfigError(f"paths.model_repo={repo_path} is a file, not a git repository: point it to a "
@@ -569,18 +583,23 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
 
 
 def _complete_pending_registrations(state_dir: Path, tracking_uri: str) -> None:
-    """Register the versions an earlier start committed but could not register (a rerun of a finished job)."""
+    """A rerun of a finished job: deliver what its end could not (points, status) and register the versions it
+    committed but could not register."""
     from .registry import PENDING_REGISTRATIONS, complete_pending_registrations
     from .tracking import sync
+    from .tracking.spool import segment_paths
 
-    if not (state_dir / PENDING_REGISTRATIONS).is_file():
+    if not ((state_dir / PENDING_REGISTRATIONS).is_file() or (state_dir / "pending_status").is_file()
+            or segment_paths(state_dir)):
         return
+    log.info("delivering what the end of this run left in %s", state_dir)
     try:
         sync(state_dir, uri=tracking_uri, timeout_s=30.0)  # the run, if it was never created
     except ConfigError as exc:
         log.warning("could not sync %s: %s", state_dir, exc)
         return
-    complete_pending_registrations(state_dir, tracking_uri)
+    if (state_dir / PENDING_REGISTRATIONS).is_file():
+        complete_pending_registrations(state_dir, tracking_uri)
 
 
 def _set_aside_resume_point(run: Run, exc: DamagedFileError) -> bool:

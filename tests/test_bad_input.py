@@ -53,6 +53,13 @@ def trained(project):
     (["+job=t", "paths.model_repo=afile"], "paths.model_repo="),
     (["+job=t", "paths.model_repo=conf"], "is not a git repository"),
     (["+job=t", "job.model=modèle"], "job.model='modèle'"),  # Hydra's lexer refuses it unquoted: say how
+    (["+job=t", "paths.runs_root='ru\nns'"], "holds control characters"),
+    # Tracking URIs that could only fail later, slowly, as an "outage" of minutes.
+    (["+job=t", "tracking.uri=http://"], "names no host"),
+    (["+job=t", "tracking.uri=http://127.0.0.1:notaport"], "the port is not a number"),
+    (["+job=t", "tracking.uri=sqlite://"], "in-memory SQLite store"),
+    (["+job=t", "tracking.uri=mysql://u@127.0.0.1/db"], "needs the Python package MySQLdb"),
+    (["+job=t", "tracking.uri=sqlite:////proc/gwenlake/mlflow.db"], "the store's folder /proc/gwenlake cannot"),
 ])
 def test_config_errors_exit_2_and_delete_nothing(trained, args, needle):
     before = snapshot(trained.root)

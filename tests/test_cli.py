@@ -54,6 +54,8 @@ def test_subcommands_are_not_overrides(project):
         assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr
     proc = project.run("tracking", "sync", str(project.root / "nowhere"))
     assert proc.returncode == 2 and "tracking" in proc.stderr
+    proc = project.run("tracking", "sync", str(project.root / "trainer.py"))  # a file
+    assert proc.returncode == 2 and "not the tracking folder of a run" in proc.stderr, proc.stderr
 
 
 def test_data_import_csv_then_show_and_train_on_it(project):

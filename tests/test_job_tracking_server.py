@@ -148,3 +148,29 @@ def test_server_down_for_the_whole_run_then_the_next_start_registers_the_version
     assert all(mv.run_id == run.info.run_id for mv in registered.values())
     assert run.info.status == "FINISHED"
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, steps + 1))
+
+
+def test_a_rerun_of_a_finished_job_delivers_what_its_end_left(project):
+    """The end of a run could not deliver (its delivery process was killed, MLflow was slow): the spool and the
+    FINISHED status wait in the run directory. Rerunning the same command delivers them, like tracking sync."""
+    import json
+
+    from gwenlake_hpc.tracking.spool import SpoolWriter, encode
+
+    done = project.run("+job=t", "job.steps=20", check=0)
+    run_dir = next((project.root / "runs" / "t.model").iterdir())
+    state = run_dir / "tracking"
+    client = MlflowClient(f"sqlite:///{project.root / 'runs' / 'mlflow.db'}")
+    run_id = (state / "run_id").read_text().strip()
+    client.update_run(run_id, status="RUNNING")  # as the end left it
+    writer = SpoolWriter(state)
+    writer.append(encode([("late", float(s), s, 1_700_000_000_000) for s in range(1, 6)]))
+    writer.close()
+    (state / "pending_status").write_text(json.dumps({"status": "FINISHED", "end_time": 1_700_000_000_000}))
+
+    again = project.run("+job=t", "job.steps=20", check=0)
+    assert again.stdout.strip().splitlines()[-1] == done.stdout.strip().splitlines()[-1]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run_id, "late")) == [1, 2, 3, 4, 5]
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(1, 21))
+    assert not (state / "pending_status").exists() and not list((state / "spool").glob("*.jsonl"))

@@ -128,6 +128,12 @@ def test_validate_uri_accepts(good: str) -> None:
     assert validate_uri(f"  {good} ") == good
 
 
+def test_a_relative_sqlite_uri_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # So that the delivery process, `tracking sync` from another folder and the next start open the same file.
+    monkeypatch.chdir(tmp_path)
+    assert validate_uri("sqlite:///rel/m.db") == f"sqlite:///{tmp_path}/rel/m.db"
+
+
 def test_default_uri_and_is_sqlite(tmp_path: Path) -> None:
     uri = default_uri(tmp_path / "runs")
     assert uri == f"sqlite:///{tmp_path}/runs/mlflow.db"

@@ -179,3 +179,21 @@ def test_the_delivery_process_ignores_sigterm_and_is_restarted_when_it_dies(
     assert client.get_run(tracker.run_id).info.status == "FINISHED"
     assert any("delivery process exited" in r.getMessage() for r in caplog.records
                if r.levelno == logging.WARNING)
+
+
+def test_a_delivery_process_killed_just_before_the_end_is_started_again_by_finish(tmp_path: Path) -> None:
+    """The restart of a dead delivery process waits 30 s during the loop; at the end it is immediate."""
+    uri = default_uri(tmp_path)
+    tracker = Tracker(uri, "exp", "r", tmp_path / "tracking", flush_interval_s=0.2)
+    for step in range(1, 101):
+        tracker.log_metrics({"loss": 1.0 / step}, step)
+    assert tracker.wait_attached(120)
+    os.kill(tracker._proc.pid, signal.SIGKILL)
+    tracker._proc.wait(30)
+    for step in range(101, 201):
+        tracker.log_metrics({"loss": 1.0 / step}, step)
+    assert tracker.finish("FINISHED", timeout_s=120) is True
+    client = MlflowClient(uri)
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    assert steps_of(client, tracker.run_id) == list(range(1, 201))
+    assert segment_paths(tmp_path / "tracking") == [] and not (tmp_path / "tracking" / "pending_status").exists()

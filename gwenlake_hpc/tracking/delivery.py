@@ -58,12 +58,13 @@ def read_config(state_dir: Path) -> dict[str, Any]:
     path = state_dir / TRACKING_JSON
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(cfg, dict) or "uri" not in cfg:
-            raise ValueError("not a tracking.json")
-    except FileNotFoundError:
+        missing = [k for k in ("uri", "experiment", "run_name") if not isinstance(cfg, dict) or k not in cfg]
+        if missing:
+            raise ValueError(f"not a tracking.json: {', '.join(missing)} missing")
+    except (FileNotFoundError, NotADirectoryError):
         raise ConfigError(f"{state_dir} has no {TRACKING_JSON}: not the tracking folder of a run "
                           f"(expected <run_dir>/tracking)") from None
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         raise ConfigError(f"{path} is unreadable ({exc})") from None
     return cfg
 
@@ -321,6 +322,8 @@ class DeliveryProcess:
             return
         self.outage = True
         self.outage_mark = self.d.total_delivered()
+        with contextlib.suppress(Exception):
+            self.send({"event": "outage"})
         spool = self.state_dir / "spool"
         if isinstance(exc, BrokenStoreError):
             logger.error("tracking: %s; points are kept in %s", exc, spool)

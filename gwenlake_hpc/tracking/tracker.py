@@ -152,6 +152,7 @@ class Tracker:
         self._api_lock = threading.Lock()
         self._final: tuple[str, str | None, bool] | None = None
         self._attached = threading.Event()
+        self._outage = threading.Event()  # the delivery process could not reach MLflow (cleared on attach)
         self._answer = threading.Event()
         self._answer_result = False
         self._proc: subprocess.Popen[bytes] | None = None
@@ -178,8 +179,17 @@ class Tracker:
         return self._state_dir
 
     def wait_attached(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` seconds until the delivery process created or reattached to the run."""
-        return self._attached.wait(timeout_s)
+        """Wait up to ``timeout_s`` seconds until the delivery process created or reattached to the run.
+
+        Returns False at once when the delivery process reported that MLflow does not answer (waiting longer
+        would only delay the end of the job; what needs the run is recorded as pending)."""
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        while not self._attached.is_set() and not self._outage.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._attached.wait(min(left, 0.2))
+        return self._attached.is_set()
 
     def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
         """Record one point per metric at ``step``; never blocks on tracking, never raises for it.
@@ -373,7 +383,10 @@ class Tracker:
                     for key, step in (event.get("marks") or {}).items():
                         if step > self._marks.get(key, -math.inf):
                             self._marks[key] = int(step)
+                self._outage.clear()
                 self._attached.set()
+            elif kind == "outage":
+                self._outage.set()
             elif kind == "done":
                 self._answer_result = bool(event.get("result"))
                 self._answer.set()
@@ -437,13 +450,7 @@ class Tracker:
                 written = self._write(sync=True)
                 with contextlib.suppress(OSError):
                     self._writer.close()
-            op: dict[str, Any] = {"op": kind, "timeout_s": timeout_s}
-            if status is not None:
-                op.update(status=status, end_time=end_time)
-            result = False
-            if self._send(op):
-                if self._answer.wait(timeout_s + _SHUTDOWN_GRACE_S):
-                    result = self._answer_result and written
+            result = self._ask_to_end(kind, status, end_time, timeout_s) and written
             with self._proc_lock:
                 proc, self._proc = self._proc, None
             if proc is not None:
@@ -452,6 +459,41 @@ class Tracker:
                 self._record_pending(kind, status, end_time)
             self._final = (kind, status, result)
             return result
+
+    def _ask_to_end(self, kind: str, status: str | None, end_time: int, timeout_s: float) -> bool:
+        """Tell the delivery process to deliver everything and end (``finish``: then mark the run ``status``);
+        True when it answered that it did. A delivery process that is dead, or dies meanwhile (killed on its
+        own), is started again at once, twice at most, within the time left."""
+        deadline = time.monotonic() + timeout_s + _SHUTDOWN_GRACE_S
+        restarts = 0
+        while True:
+            with self._proc_lock:
+                proc = self._proc
+            if proc is None or proc.poll() is not None:
+                if restarts >= 2 or time.monotonic() >= deadline - _SHUTDOWN_GRACE_S:
+                    return False
+                restarts += 1
+                if proc is not None:
+                    logger.warning("tracking: the delivery process exited (code %s); starting it again to deliver "
+                                   "the last points", proc.returncode)
+                    self._reap(proc)
+                self._start_delivery()
+                with self._proc_lock:
+                    proc = self._proc
+                if proc is None:
+                    return False
+            left = max(deadline - _SHUTDOWN_GRACE_S - time.monotonic(), 0.0)
+            op: dict[str, Any] = {"op": kind, "timeout_s": left}
+            if status is not None:
+                op.update(status=status, end_time=end_time)
+            self._answer.clear()
+            self._send(op)
+            while not self._answer.is_set() and proc.poll() is None and time.monotonic() < deadline:
+                self._answer.wait(0.1)
+            if self._answer.is_set():
+                return self._answer_result
+            if time.monotonic() >= deadline:
+                return False
 
     def _record_pending(self, kind: str, status: str | None, end_time: int) -> None:
         if kind == "finish" and status is not None:

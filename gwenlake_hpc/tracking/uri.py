@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import ConfigError
-from .sqlite import sqlite_uri
+from .sqlite import sqlite_path, sqlite_uri
 
 _ACCEPTED_SCHEMES = ("sqlite", "postgresql", "mysql", "http", "https", "databricks")
 
@@ -43,6 +45,9 @@ def validate_uri(uri: str) -> str:
         )
     uri = uri.strip()
     if uri == "databricks":
+        if not _importable("databricks.sdk"):
+            raise ConfigError("tracking.uri=databricks needs the Python package databricks-sdk, which is not "
+                              "installed here (pip install databricks-sdk), and its credentials")
         return uri
     scheme = urlsplit(uri).scheme.lower()
     # A Windows drive letter parses as a one-letter scheme: it is a plain path too.
@@ -60,13 +65,54 @@ def validate_uri(uri: str) -> str:
             f"tracking backend ('file:' URIs, in maintenance mode). Use "
             f"sqlite:///{path}/mlflow.db or http://host:port"
         )
-    if scheme.split("+", 1)[0] not in _ACCEPTED_SCHEMES:
+    base = scheme.split("+", 1)[0]
+    if base not in _ACCEPTED_SCHEMES:
         raise ConfigError(
             f"tracking.uri={redact_uri(uri)!r} has an unsupported scheme {scheme!r}; use "
             f"sqlite:///<path>/mlflow.db, http://host:port, or one of: "
             f"{', '.join(_ACCEPTED_SCHEMES)}"
         )
+    if _CONTROL.search(uri):
+        raise ConfigError(f"tracking.uri={redact_uri(uri)!r} holds control characters (a newline?): remove them")
+    parts = urlsplit(uri)
+    if base == "sqlite":
+        path = sqlite_path(uri)
+        if path is None:
+            raise ConfigError(f"tracking.uri={uri!r} is an in-memory SQLite store: every run and point would be "
+                              "lost at the end of the process; use sqlite:///<path>/mlflow.db")
+        # Absolute, so that the delivery process, `tracking sync` from another folder and the next start all
+        # open the same file.
+        return sqlite_uri(path.expanduser().absolute())
+    if base in ("http", "https"):
+        try:
+            parts.port
+        except ValueError:
+            raise ConfigError(f"tracking.uri={redact_uri(uri)!r}: the port is not a number; use "
+                              f"{base}://host:5000") from None
+        if not parts.hostname:
+            raise ConfigError(f"tracking.uri={redact_uri(uri)!r} names no host; use {base}://host:5000")
+    driver = scheme.split("+", 1)[1] if "+" in scheme else None
+    modules = {"postgresql": {None: ("psycopg2", "psycopg"), "psycopg2": ("psycopg2",), "psycopg": ("psycopg",),
+                              "pg8000": ("pg8000",)},
+               "mysql": {None: ("MySQLdb",), "mysqldb": ("MySQLdb",), "pymysql": ("pymysql",),
+                         "mysqlconnector": ("mysql.connector",)},
+               "databricks": {None: ("databricks.sdk",)}}.get(base, {})
+    wanted = modules.get(driver)
+    if wanted and not any(_importable(m) for m in wanted):
+        raise ConfigError(f"tracking.uri={redact_uri(uri)!r} needs the Python package {' or '.join(wanted)}, which "
+                          "is not installed here (pip install it, e.g. psycopg2-binary for PostgreSQL, "
+                          "mysqlclient for MySQL, databricks-sdk for Databricks)")
     return uri
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a missing parent package
+        return False
 
 
 def is_sqlite(uri: str) -> bool:
