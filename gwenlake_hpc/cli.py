@@ -202,16 +202,26 @@ def run_hydra(argv: Sequence[str]) -> int:
         release_early()  # a launcher plug-in submits (and may wait): Ctrl-C must interrupt it at once
     saved = sys.argv
     sys.argv = [saved[0] if saved else "gwenlake_hpc", *argv]
+    def swept() -> int | None:
+        # A sweep submitted as a job array (the launcher plug-in imported the module): its tasks decide.
+        sweep = sys.modules.get("gwenlake_hpc.launch.sweep")
+        tasks = getattr(sweep, "LAST_SWEEP", None)
+        return None if tasks is None else sweep.sweep_exit_status(tasks)  # type: ignore[union-attr]
+
+    if "gwenlake_hpc.launch.sweep" in sys.modules:
+        sys.modules["gwenlake_hpc.launch.sweep"].LAST_SWEEP = None  # type: ignore[attr-defined]
     try:
         _task()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if swept() is not None:
+            return int(swept())  # type: ignore[arg-type]
         if not state["started"] and code == 1:
             return EXIT_USAGE
         return code if not state["started"] else (state["code"] or code)
     finally:
         sys.argv = saved
-    return int(state["code"])
+    return int(state["code"]) if swept() is None else int(swept())  # type: ignore[arg-type]
 
 
 def _submit_slurm(cfg) -> int:  # type: ignore[no-untyped-def]

@@ -40,6 +40,13 @@ def test_decisions():
         d = decide(75, 0, 3, 40, 30, state=state)
         assert d.action == "leave" and state in d.reason
         assert decide(137, 0, 3, None, 30, state=state).action == "leave"
+    # killed by the time-limit warning itself (SIGUSR2 before the handlers existed, e.g. during start-up): the
+    # time-limit case, never "killed or out of memory"
+    for rc in (128 + 12, -12):
+        d = decide(rc, 0, 3, 100, 120)
+        assert d.action == "requeue" and "time limit" in d.reason and "memory" not in d.reason
+        assert decide(rc, 3, 3, 100, 120).action == "fail"
+        assert decide(rc, 0, 3, 100, 120, state="COMPLETING").action == "leave"
 
 
 def _launcher(**kw):

@@ -228,6 +228,18 @@ def test_sweep_is_one_job_array_and_every_task_completes(project):
 
 
 
+def test_a_waited_sweep_with_a_failed_task_exits_1_and_says_which(project):
+    """launcher.wait=true: the task whose loss turns NaN (25 steps, NaN at 22) fails, the other completes; the
+    command exits 1 and names the failed task, and Hydra's report is FAILED for it."""
+    proc = project.run("-m", "+job=t", "launcher=slurm", "launcher.timeout_min=5", "launcher.partition=high",
+                       "launcher.wait=true", "job.steps=20,25", env={"GWL_TEST_NAN_AT": "22"}, timeout=900)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 1, log
+    array = re.search(r"submitted job array (\d+) \(2 tasks, one sbatch\)", proc.stdout).group(1)
+    assert re.search(rf"{array}_0\s+COMPLETED", proc.stdout) and re.search(rf"{array}_1\s+FAILED", proc.stdout), log
+    assert f"1 of 2 task(s) did not complete: {array}_1" in log
+
+
 def committed_model(project, job):
     """The model.safetensors committed by ``job`` (its log's last line names the version)."""
     from safetensors.torch import load_file

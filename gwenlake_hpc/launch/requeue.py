@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -69,11 +70,15 @@ def decide(rc: int, restarts: int, max_retries: int, remaining_s: int | None, si
     if state and state != "RUNNING":
         return Decision("leave", f"the job is {state}: SLURM is ending it (scancel, preemption or time limit) "
                                  "and decides; no requeue from here")
-    if rc == EXIT_EVICTED:
+    warned = rc in (128 + signal.SIGUSR2, -signal.SIGUSR2)  # killed by the time-limit warning before any handler
+    if rc == EXIT_EVICTED or warned:
         if remaining_s is not None and remaining_s <= signal_delay_s + TIME_LIMIT_SLACK_S:
             if restarts < max_retries:
                 return Decision("requeue", f"time limit ({remaining_s} s left): requeue {restarts + 1}/{max_retries}")
             return Decision("fail", f"time limit and no retry left ({restarts}/{max_retries} used)")
+        if warned and restarts < max_retries and remaining_s is not None:
+            return Decision("requeue", f"job step killed by SIGUSR2 with {remaining_s} s left (the warning came "
+                                       f"before its handlers existed): requeue {restarts + 1}/{max_retries}")
         return Decision("leave", f"evicted with {remaining_s} s left: a preemption or a cancel, SLURM decides")
     if rc > 128 or rc < 0:
         sig = rc - 128 if rc > 128 else -rc

@@ -16,6 +16,15 @@ from .slurm import (SlurmEntry, Submission, _executor, job_container, record_job
 
 log = logging.getLogger("gwenlake_hpc.launch.sweep")
 
+#: The tasks of the last sweep this process submitted (see :func:`submit_array`), for the command line's exit
+#: status: Hydra's multirun has no status of its own for "submitted, not waited for".
+LAST_SWEEP: list[dict[str, Any]] | None = None
+
+
+def sweep_exit_status(tasks: Sequence[dict[str, Any]]) -> int:
+    """0 when every task COMPLETED or was only submitted (no wait), 1 when any ended otherwise."""
+    return 1 if any(t.get("state") not in (None, "COMPLETED") for t in tasks) else 0
+
 
 def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[str, Any]]:
     """Submit one job array for the sweep tasks ``[(overrides, composed config), ...]``.
@@ -64,6 +73,11 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
             final = slurm_status.wait(t["job_id"], Path(t["run_dir"]))
             t.update(state=final.state, restarts=final.restarts, step=final.step, metrics=_metrics(final))
         print_table(tasks)
+        failed = [t["job_id"] for t in tasks if t["state"] != "COMPLETED"]
+        if failed:
+            log.error("%d of %d task(s) did not complete: %s", len(failed), len(tasks), ", ".join(failed))
+    global LAST_SWEEP
+    LAST_SWEEP = tasks
     return tasks
 
 

@@ -61,8 +61,13 @@ class GwenlakeSlurmLauncher(Launcher):
         tasks = submit_array(configs)
         returns: List[JobReturn] = []
         for (overrides, cfg), task in zip(configs, tasks):
+            # With launcher.wait, a task that did not complete is FAILED (its state in the error). Without it a
+            # task is only submitted: Hydra has no status for that (UNKNOWN would stop its sweeper), so it is
+            # COMPLETED for Hydra, and the task's own record says "state": absent, the table SUBMITTED.
+            failed = task.get("state") not in (None, "COMPLETED")
             ret = JobReturn(overrides=overrides, cfg=cfg, hydra_cfg=cfg, working_dir=str(Path.cwd()),
-                            task_name=str(cfg.hydra.job.name), status=JobStatus.COMPLETED)
-            ret.return_value = task
+                            task_name=str(cfg.hydra.job.name),
+                            status=JobStatus.FAILED if failed else JobStatus.COMPLETED)
+            ret.return_value = RuntimeError(f"task {task['job_id']} ended {task['state']}") if failed else task
             returns.append(ret)
         return returns
