@@ -79,6 +79,15 @@ class StopRequest:
             self._ours[s] = self._handle
         return True
 
+    def reclaim(self) -> None:
+        """Put our plain handlers back on every installed signal, dropping whatever replaced them (submitit's,
+        installed after ours in the job step: they would requeue or end the job from inside a signal handler)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in self._ours:
+            signal.signal(s, self._handle)
+            self._ours[s] = self._handle
+
     def check_handlers(self) -> list[str]:
         """Put our handlers back where someone replaced them since :meth:`install`, chained to theirs.
 

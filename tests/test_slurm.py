@@ -170,7 +170,7 @@ def test_scancel_keeps_checkpoint_and_resubmission_resumes(project):
 def test_sigkilled_step_is_requeued_and_resumes(project):
     job = submit(project, *SLOW, env_vars={"GWL_TEST_SLEEP": "0.05"})
     wait_until(checkpoint_at_least(project, 50), what="a checkpoint at step 50")
-    pattern = f"^{re.escape(sys.executable)} -u -m submitit.core._submit {re.escape(str(run_dir(project)))}"
+    pattern = f"^{re.escape(sys.executable)} -m gwenlake_hpc.launch.boot -u -m submitit.core._submit {re.escape(str(run_dir(project)))}"
     pids = sh("pgrep", "-f", pattern).split()
     assert len(pids) == 1, pids
     subprocess.run(["kill", "-9", pids[0]], check=True)
@@ -333,7 +333,7 @@ def test_churn_survives_preemption_sigkill_and_time_limit(tmp_path):
     assert sh("sbatch", "--parsable", "-o", "/dev/null", "-p", "high", "-w", "n1", "-c", "2", "--wrap", "sleep 2")
     wait_until(lambda: restarts() > before, what="the preempted job requeued")
     wait_until(at_least(newest_step(project.root, pattern) + 4000), what="progress after the requeue")
-    step_proc = f"^{re.escape(sys.executable)} -u -m submitit.core._submit {re.escape(str(run_dir))}"
+    step_proc = f"^{re.escape(sys.executable)} -m gwenlake_hpc.launch.boot -u -m submitit.core._submit {re.escape(str(run_dir))}"
     pids = wait_until(lambda: sh("pgrep", "-f", step_proc).split(), what="the job step's process")
     subprocess.run(["kill", "-9", *pids], check=True)
     assert finish(job, timeout=900) == "COMPLETED"
@@ -440,3 +440,28 @@ def test_sbatch_template_by_hand_survives_preemption(project):
     assert "stop requested (SIGTERM)" in text and "resuming from step" in text and "model t.model version" in text
     assert job_fields(job).get("Restarts") == "1"
     one_point_per_step(project, 300)
+
+
+def test_a_time_limit_warning_during_start_up_is_a_stop_not_a_kill(project):
+    """SIGUSR2 sent to the job step as soon as the job runs (SLURM may send --signal up to 60 s early): the step
+    is not killed by it (no exit by signal 12); the training records the stop and ends at a step boundary."""
+    proc = project.run("+job=t", "launcher=slurm", "launcher.timeout_min=5", "launcher.partition=high",
+                       "launcher.max_retries=0", check=0)
+    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    deadline = time.time() + 300
+    pattern = f"^{re.escape(sys.executable)} -m gwenlake_hpc.launch.boot -u -m submitit.core._submit .*/{job}$"
+    while time.time() < deadline:  # the step's interpreter exists (the cluster's nodes are this machine)
+        if subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 0:
+            break
+        time.sleep(0.01)
+    time.sleep(0.3)  # its first lines ran; submitit, torch and the trainer are still loading
+    sent = 0
+    for _ in range(20):
+        sent += subprocess.run(["scancel", "--signal=USR2", job], capture_output=True).returncode == 0
+        time.sleep(0.05)
+    finish(job)
+    exit_codes = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,State,ExitCode"], capture_output=True,
+                                text=True).stdout
+    assert ":12" not in exit_codes and sent, exit_codes
+    text = log_text_any(project, job)
+    assert "stop requested (SIGUSR2)" in text, text[-3000:]

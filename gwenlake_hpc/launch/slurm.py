@@ -43,10 +43,16 @@ class SlurmEntry:
         self.cfg = dict(cfg)
 
     def __call__(self) -> dict[str, Any]:
-        from ..signals import StopRequest
+        from ..signals import StopRequest, process_stop
 
         # Our handlers replace submitit's at once: SLURM may send the time-limit warning seconds after the
-        # start, and submitit's own handler would end the job there ("timed-out too many times").
+        # start, and submitit's own handler would end the job there ("timed-out too many times"). Started by
+        # gwenlake_hpc.launch.boot, the process has had ours since its first line: a signal they recorded
+        # before submitit put its own is kept.
+        early = process_stop()
+        if early is not None:
+            early.reclaim()
+            return self._run(early)
         stop = StopRequest()
         stop.install()
         try:
@@ -189,10 +195,14 @@ class Submission:
     folder: Path
 
 
+#: The job step's interpreter command: our stop handlers first (gwenlake_hpc.launch.boot), then submitit's runner.
+BOOT_PYTHON = f"{shlex.quote(sys.executable)} -m gwenlake_hpc.launch.boot"
+
+
 def _executor(folder: Path, params: Mapping[str, Any], setup: list[str], teardown: list[str]):
     import submitit
 
-    ex = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=0)
+    ex = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=0, python=BOOT_PYTHON)
     ex.update_parameters(**params, setup=setup, teardown=teardown, stderr_to_stdout=False)
     return ex
 
@@ -205,7 +215,7 @@ def render_script(cfg: DictConfig, run_dir: Path) -> str:
     folder = Path(lc.folder) if lc.get("folder") else run_dir / "slurm"
     params = sbatch_parameters(lc, job_name=_job_name(cfg, run_dir))
     secrets = folder / "secrets.env" if lc.get("secrets") else None
-    command = f"{shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(str(folder / '%j'))}"
+    command = f"{BOOT_PYTHON} -u -m submitit.core._submit {shlex.quote(str(folder / '%j'))}"
     return _make_sbatch_string(command=command, folder=str(folder / "%j"), setup=setup_lines(lc, secrets),
                                teardown=teardown_lines(lc), **params)
 
