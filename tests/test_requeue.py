@@ -108,3 +108,28 @@ def test_status_takes_restarts_from_the_run_record_once_slurm_forgot_the_job(tmp
     monkeypatch.setattr(status, "slurm_state", lambda job_id: ("COMPLETED", None))  # sacct: no Restarts field
     s = status.job_status({"job_id": "42", "run_dir": str(run_dir), "model": "t.model"})
     assert (s.state, s.restarts) == ("COMPLETED", 2)
+
+
+def test_a_waited_array_is_polled_with_one_squeue_and_one_sacct(tmp_path):
+    from gwenlake_hpc.launch import status
+
+    polls = iter([
+        ("77_0 RUNNING\n77_1 PENDING\n77_2 PENDING\n", "77_0|RUNNING\n77_[1-2]|PENDING\n"),
+        ("77_1 RUNNING\n", "77_0|COMPLETED\n77_1|RUNNING\n77_2|CANCELLED by 0\n"),
+        ("", "77_0|COMPLETED\n77_1|FAILED\n77_2|CANCELLED by 0\n"),
+    ])
+    calls = []
+    current = {}
+
+    def run(cmd):
+        calls.append(cmd[0])
+        if cmd[0] == "squeue":
+            current["sacct"] = None
+            squeue, current["sacct"] = next(polls)
+            return squeue
+        return current["sacct"]
+
+    tasks = [{"job_id": f"77_{i}", "run_dir": str(tmp_path / f"r{i}")} for i in range(3)]
+    got = status.wait_array(tasks, poll_s=0.0, run=run)
+    assert [s.state for s in got] == ["COMPLETED", "FAILED", "CANCELLED"]
+    assert calls == ["squeue", "sacct"] * 3  # per poll: one of each for the whole array

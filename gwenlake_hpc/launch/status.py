@@ -82,14 +82,15 @@ def restarts_from_record(info: dict, job_id: str) -> int | None:
     return max(counts) if counts else None
 
 
-def job_status(record: dict) -> JobStatus:
+def job_status(record: dict, known: tuple[str, int | None] | None = None) -> JobStatus:
     """Status of one submitted job record (see :func:`gwenlake_hpc.launch.slurm.job_records`); a record with a
-    ``cluster`` is asked over SSH (:mod:`gwenlake_hpc.launch.remote`)."""
+    ``cluster`` is asked over SSH (:mod:`gwenlake_hpc.launch.remote`). ``known``: (state, restarts) already
+    read (a whole array at once), so SLURM is not asked again."""
     if record.get("cluster"):
         from .remote import remote_job_status
 
         return remote_job_status(record)
-    state, restarts = slurm_state(record["job_id"])
+    state, restarts = known if known is not None else slurm_state(record["job_id"])
     run_dir = Path(record["run_dir"])
     info = read_json(run_dir / "run.json", default={}) or {}
     ck = CheckpointStore(run_dir / "checkpoints", record.get("run_key") or run_dir.name).complete() \
@@ -187,6 +188,43 @@ def wait(job_id: str, run_dir: Path, timeout_s: float | None = None, poll_s: flo
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} still {state} after {timeout_s} s")
         time.sleep(poll_s)
+
+
+def array_states(array_id: str, run=_run) -> dict[str, str]:
+    """State of every task of job array ``array_id`` (``{"<array>_<i>": state}``) in two calls at most: ``squeue``
+    for the tasks SLURM still holds (pending ones included), ``sacct`` for the others."""
+    states: dict[str, str] = {}
+    for line in run(["squeue", "-h", "-r", "-j", array_id, "-o", "%i %T"]).splitlines():
+        fields = line.split()
+        if len(fields) == 2:
+            states[fields[0]] = fields[1]
+    for line in run(["sacct", "-n", "-P", "-X", "-j", array_id, "-o", "JobID,State"]).splitlines():
+        job, _, state = line.strip().partition("|")
+        if job and "[" not in job and job not in states:  # "123_[4-9]": pending, squeue has them
+            states[job] = state.split()[0] if state else "UNKNOWN"
+    return states
+
+
+def wait_array(tasks: list[dict], poll_s: float = 2.0, run=_run) -> list[JobStatus]:
+    """Block until every task (``{"job_id": "<array>_<i>", "run_dir"}``) reached a final state; one ``squeue``
+    and one ``sacct`` per poll for the whole array, whatever its size. Returns their statuses in order."""
+    array_id = tasks[0]["job_id"].split("_")[0]
+    final: dict[str, str] = {}
+    while True:
+        states = array_states(array_id, run)
+        for t in tasks:
+            state = states.get(t["job_id"], "")
+            if state.split()[0:1] and state.split()[0] in FINAL_STATES:
+                final[t["job_id"]] = state.split()[0]
+        if len(final) == len(tasks):
+            break
+        time.sleep(poll_s)
+    out = []
+    for t in tasks:
+        info = read_json(Path(t["run_dir"]) / "run.json", default={}) or {}
+        record = {"job_id": t["job_id"], "run_dir": t["run_dir"], "run_key": Path(t["run_dir"]).name}
+        out.append(job_status(record, known=(final[t["job_id"]], restarts_from_record(info, t["job_id"]))))
+    return out
 
 
 class JobHandle:

@@ -68,9 +68,8 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
     array_id = tasks[0]["job_id"].split("_")[0]
     print(f"submitted job array {array_id} ({len(tasks)} tasks, one sbatch); logs in {folder}")
     print_table(tasks)
-    if lc.get("wait"):
-        for t in tasks:  # every task waited for: one failure does not stop the others' results
-            final = slurm_status.wait(t["job_id"], Path(t["run_dir"]))
+    if lc.get("wait"):  # every task waited for (one failure does not stop the others), one poll for the array
+        for t, final in zip(tasks, slurm_status.wait_array(tasks)):
             t.update(state=final.state, restarts=final.restarts, step=final.step, metrics=_metrics(final))
         print_table(tasks)
         failed = [t["job_id"] for t in tasks if t["state"] != "COMPLETED"]

@@ -9,6 +9,7 @@ them and prints a table of each task's overrides, state, restarts and metrics.
 
 # No `from __future__ import annotations`: Hydra's plugin scan imports this module outside sys.modules,
 # where dataclasses cannot resolve string annotations.
+import copy
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,40 @@ ConfigStore.instance().store(group="hydra/launcher", name="gwenlake_slurm", node
                              provider="gwenlake_hpc")
 
 
+def derive_task_config(base: DictConfig, base_overrides: Sequence[str], overrides: Sequence[str]) -> Optional[DictConfig]:
+    """The config of a sweep task from the first task's (``base``, composed by Hydra with ``base_overrides``) when
+    ``overrides`` only change values of keys that exist in it; None when Hydra must compose it (another key set,
+    a config group, an added or deleted key, a value the schema refuses)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf, read_write
+    from omegaconf.errors import OmegaConfBaseException
+
+    parser = OverridesParser.create()
+    try:
+        before = {o.key_or_group: o for o in parser.parse_overrides(list(base_overrides))}
+        after = {o.key_or_group: o for o in parser.parse_overrides(list(overrides))}
+    except Exception:  # noqa: BLE001 - Hydra reports it when it composes
+        return None
+    if before.keys() != after.keys():
+        return None
+    cfg = copy.deepcopy(base)
+    for key, o in after.items():
+        if o.input_line == before[key].input_line:
+            continue
+        if o.is_add() or o.is_delete() or o.is_force_add() or o.is_sweep_override() or o.package is not None:
+            return None
+        node = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        if "/" in key or key.startswith("hydra") or isinstance(node, DictConfig) or OmegaConf.is_list(node):
+            return None
+        try:
+            OmegaConf.update(cfg, key, o.value(), merge=False)  # typed nodes refuse a wrong value
+        except (OmegaConfBaseException, ValueError, TypeError):
+            return None
+    with read_write(cfg.hydra), open_dict(cfg.hydra):
+        cfg.hydra.overrides.task = list(overrides)
+    return cfg
+
+
 class GwenlakeSlurmLauncher(Launcher):
     """Submits a Hydra sweep as one SLURM job array (see module docstring)."""
 
@@ -52,8 +87,17 @@ class GwenlakeSlurmLauncher(Launcher):
         setup_globals()
         assert self.config is not None and self.hydra_context is not None
         configs = []
+        base: Optional[DictConfig] = None
+        base_overrides: List[str] = []
         for idx, overrides in enumerate(job_overrides):
-            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            # Hydra composes every task from scratch (about half a second each): a task that differs from the
+            # first only by values of existing keys is that config with those values set, checked against
+            # the same schema; anything else (a config group, +key, ~key) is composed by Hydra.
+            cfg = derive_task_config(base, base_overrides, list(overrides)) if base is not None else None
+            if cfg is None:
+                cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+                if base is None:
+                    base, base_overrides = copy.deepcopy(cfg), list(overrides)
             with open_dict(cfg):
                 cfg.hydra.job.id = initial_job_idx + idx
                 cfg.hydra.job.num = initial_job_idx + idx
