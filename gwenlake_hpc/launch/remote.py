@@ -342,7 +342,7 @@ def render_remote_script(lc: Any, cc: Any, job_name: str, worktree: str, run_dir
     Raises:
         ConfigError: bad launcher values (see :func:`gwenlake_hpc.launch.slurm.sbatch_parameters`).
     """
-    from submitit.slurm.slurm import _make_sbatch_string
+    from .sbatch_script import render_sbatch
 
     params = sbatch_parameters(lc, job_name=job_name)
     py = shlex.quote(str(cc.python))
@@ -354,8 +354,7 @@ def render_remote_script(lc: Any, cc: Any, job_name: str, worktree: str, run_dir
         setup.append(f"export GWENLAKE_CODE_PATCH={shlex.quote(patch_file)}")
         setup.append(f"export GWENLAKE_CODE_PATCH_SHA256={shlex.quote(posixpath.basename(patch_file)[:-5])}")
     teardown = teardown_lines(lc, python=str(cc.python))
-    return _make_sbatch_string(command=command, folder=f"{run_dir}/slurm", setup=setup, teardown=teardown,
-                               **params)
+    return render_sbatch(command, f"{run_dir}/slurm", params, setup=setup, teardown=teardown)
 
 
 def _write_remote_secrets(conn: SshConnection, lc: Any, remote_dir: str) -> str | None:

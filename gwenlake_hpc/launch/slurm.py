@@ -209,15 +209,14 @@ def _executor(folder: Path, params: Mapping[str, Any], setup: list[str], teardow
 
 def render_script(cfg: DictConfig, run_dir: Path) -> str:
     """The sbatch script ``launcher=slurm`` would submit (``launcher.dry_run=true`` prints it)."""
-    from submitit.slurm.slurm import _make_sbatch_string
+    from .sbatch_script import render_sbatch
 
     lc = cfg.launcher
     folder = Path(lc.folder) if lc.get("folder") else run_dir / "slurm"
     params = sbatch_parameters(lc, job_name=_job_name(cfg, run_dir))
     secrets = folder / "secrets.env" if lc.get("secrets") else None
     command = f"{BOOT_PYTHON} -u -m submitit.core._submit {shlex.quote(str(folder / '%j'))}"
-    return _make_sbatch_string(command=command, folder=str(folder / "%j"), setup=setup_lines(lc, secrets),
-                               teardown=teardown_lines(lc), **params)
+    return render_sbatch(command, folder / "%j", params, setup=setup_lines(lc, secrets), teardown=teardown_lines(lc))
 
 
 def _job_name(cfg: DictConfig, run_dir: Path) -> str:
