@@ -109,3 +109,15 @@ def run_concurrently(n: int, work) -> dict:
     if errors:
         raise errors[0]
     return results
+
+
+def wait_until(pred, timeout_s: float = 60.0, what: str = "") -> None:
+    """Poll ``pred()`` every 50 ms until it is true; AssertionError after ``timeout_s`` (generous: loaded machines)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what or pred}")

@@ -20,6 +20,7 @@ from mlflow import MlflowClient
 
 from gwenlake_hpc.errors import ConfigError
 from gwenlake_hpc.tracking.spool import points_of, read_all
+from conftest import wait_until
 from gwenlake_hpc.tracking import (
     ATTACH_COUNT_TAG,
     PENDING_STATUS_FILE,
@@ -64,13 +65,8 @@ def sqlite_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("sqlite-store")
 
 
-def wait_for(pred: Callable[[], object], timeout_s: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what or pred}")
+def wait_for(pred, timeout_s: float = 60.0, what: str = "") -> None:
+    wait_until(pred, timeout_s, what)
 
 
 def history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from conftest import wait_until
 from gwenlake_hpc.tracking import Tracker, default_uri
 from gwenlake_hpc.tracking import spool as spool_mod
 from gwenlake_hpc.tracking import tracker as tracker_mod
@@ -29,12 +30,7 @@ def steps_of(client: MlflowClient, run_id: str, key: str = "loss") -> list[int]:
 
 
 def wait_for(pred, timeout_s: float = 120.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what or pred}")
+    wait_until(pred, timeout_s, what)
 
 
 def alive(pid: int) -> bool:
