@@ -27,4 +27,4 @@ if ! sinfo >/dev/null 2>&1; then
 fi
 # One thread per process: two cores are shared by the tests' subprocesses.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=25 "$@"
