@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 import traceback
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -474,6 +475,8 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
         "seed": seed, "datasets": dataset_facts, "init_models": model_versions, "created": time.time(),
         "starts": [], "completed": None,
     }
+    # Tells this run directory from another one of the same run key (another runs_root): a version records it.
+    info.setdefault("uid", uuid.uuid4().hex)
     for done in reversed(info.get("completions") or ([info["completed"]] if info.get("completed") else [])):
         if done.get("steps") == steps and done.get("epochs") == epochs and done.get("version"):
             log.info("run %s already finished at step %s; nothing to train", run_dir, done.get("final_step"))
@@ -682,13 +685,14 @@ def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any
         repo = p.model_repo()
         same_repo = code.repo_root is not None and Path(repo.working_dir).resolve() == code.repo_root.resolve()
         # A start killed between its commit and run.json committed this very version already: use it.
-        version = find_run_version(repo, model_name, f"{key}@{run.step}")
+        run_ref = f"{key}/{info['uid']}@{run.step}"
+        version = find_run_version(repo, model_name, run_ref)
         if version is not None:
             log.warning("version %s of this run at step %d was committed by an earlier start that ended before "
                         "recording it; using it (no second commit)", version[:12], run.step)
         else:
             version = commit_model(
-                repo, model_name, out_dir, run=f"{key}@{run.step}",
+                repo, model_name, out_dir, run=run_ref,
                 message=f"{model_name}: {run_name} at step {run.step}\n\n"
                         + "".join(f"{k}: {v:.6g}\n" for k, v in sorted(metrics.items())),
                 code_commit=code.commit if same_repo else None,

@@ -692,7 +692,7 @@ def commit_model(repo: git.Repo | PathLike, model_name: str, src_dir: PathLike, 
         large_file_warning_bytes: a file of this size or more that the attributes do not send
             through git-lfs gets a warning; default $GWENLAKE_LFS_WARN_MB megabytes, else
             LARGE_FILE_WARNING_BYTES (50 MiB).
-        run: what produced the version (``<run key>@<final step>``), recorded as the trailer
+        run: what produced the version (``<run key>/<run uid>@<final step>``), recorded as the trailer
             ``Gwenlake-Run``, so that a job killed after its commit finds it again
             (:func:`find_run_version`) instead of committing a second version.
 

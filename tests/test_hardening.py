@@ -106,7 +106,8 @@ def test_a_start_killed_between_its_commit_and_its_record_commits_no_second_vers
     assert "committed by an earlier start that ended before recording it" in again.stdout + again.stderr
     versions = list_versions(project.root, "t.model")
     assert [v["version"] for v in versions] == [version]
-    assert versions[0]["run"] == f"{json.loads(info_path.read_text())['run_key']}@30"
+    info = json.loads(info_path.read_text())
+    assert versions[0]["run"] == f"{info['run_key']}/{info['uid']}@30"
     # A longer run of the same key is a new version.
     longer = project.run("+job=t", "job.steps=40", check=0)
     assert longer.stdout.strip().splitlines()[-1] != f"model t.model version {version}"
