@@ -198,6 +198,8 @@ def run_hydra(argv: Sequence[str]) -> int:
     if ("-m" in argv or "--multirun" in argv) and "launcher=slurm" in argv \
             and not any(a.startswith("hydra/launcher=") for a in argv):
         argv.append("hydra/launcher=gwenlake_slurm")  # the sweep becomes one job array
+        if not any(a.startswith("hydra/sweeper=") for a in argv):
+            argv.append("hydra/sweeper=gwenlake_basic")  # the launcher checks every task: no composition twice
     if any(a.startswith("hydra/launcher=") for a in argv):
         release_early()  # a launcher plug-in submits (and may wait): Ctrl-C must interrupt it at once
     saved = sys.argv

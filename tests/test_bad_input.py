@@ -54,6 +54,8 @@ def trained(project):
     (["+job=t", "paths.model_repo=conf"], "is not a git repository"),
     (["+job=t", "job.model=modèle"], "job.model='modèle'"),  # Hydra's lexer refuses it unquoted: say how
     (["+job=t", "paths.runs_root='ru\nns'"], "holds control characters"),
+    # A sweep with one bad task: its message, nothing submitted (checked before sbatch, no cluster needed).
+    (["-m", "+job=t", "launcher=slurm", "job.params.lr=0.1,fast"], "could not be converted to Float"),
     # Tracking URIs that could only fail later, slowly, as an "outage" of minutes.
     (["+job=t", "tracking.uri=http://"], "names no host"),
     (["+job=t", "tracking.uri=http://127.0.0.1:notaport"], "the port is not a number"),
