@@ -116,12 +116,24 @@ def test_validate_uri_suggests_a_sqlite_file_for_a_path() -> None:
         "http://127.0.0.1:5000",
         "https://mlflow.example.org",
         "postgresql+psycopg2://u@db:5432/mlflow",
-        "mysql://u@db/mlflow",
+        "postgresql://u@db/mlflow",
         "databricks",
     ],
 )
 def test_validate_uri_accepts(good: str) -> None:
     assert validate_uri(f"  {good} ") == good
+
+
+def test_a_database_uri_needs_its_driver_installed() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("MySQLdb") is None:
+        with pytest.raises(ConfigError, match=r"tracking\.uri=.*needs the Python package MySQLdb"):
+            validate_uri("mysql://u@db/mlflow")
+    else:
+        assert validate_uri("mysql://u@db/mlflow") == "mysql://u@db/mlflow"
+    with pytest.raises(ConfigError, match="needs the Python package pg8000"):
+        validate_uri("postgresql+pg8000://u@db/mlflow")
 
 
 def test_a_relative_sqlite_uri_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
