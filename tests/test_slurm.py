@@ -229,10 +229,10 @@ def test_sweep_is_one_job_array_and_every_task_completes(project):
 
 
 def test_a_waited_sweep_with_a_failed_task_exits_1_and_says_which(project):
-    """launcher.wait=true: the task whose loss turns NaN (25 steps, NaN at 22) fails, the other completes; the
-    command exits 1 and names the failed task, and Hydra's report is FAILED for it."""
+    """launcher.wait=true: the task with batch_size=0 fails in the job (its batches refuse it), the other
+    completes; the command exits 1 and names the failed task, and Hydra's report is FAILED for it."""
     proc = project.run("-m", "+job=t", "launcher=slurm", "launcher.timeout_min=5", "launcher.partition=high",
-                       "launcher.wait=true", "job.steps=20,25", env={"GWL_TEST_NAN_AT": "22"}, timeout=900)
+                       "launcher.wait=true", "job.steps=20", "job.params.batch_size=16,0", timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 1, log
     array = re.search(r"submitted job array (\d+) \(2 tasks, one sbatch\)", proc.stdout).group(1)
