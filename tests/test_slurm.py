@@ -449,7 +449,8 @@ def test_a_time_limit_warning_during_start_up_is_a_stop_not_a_kill(project):
                        "launcher.max_retries=0", check=0)
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     deadline = time.time() + 300
-    pattern = f"^{re.escape(sys.executable)} -m gwenlake_hpc.launch.boot -u -m submitit.core._submit .*/{job}$"
+    run_dir = re.search(r"run directory (\S+)", proc.stdout).group(1)
+    pattern = f"^{re.escape(sys.executable)} -m gwenlake_hpc.launch.boot -u -m submitit.core._submit {re.escape(run_dir)}"
     while time.time() < deadline:  # the step's interpreter exists (the cluster's nodes are this machine)
         if subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 0:
             break
