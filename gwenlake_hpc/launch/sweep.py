@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -43,7 +44,8 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
 
     if not configs:
         return []
-    launchers = {OmegaConf.to_yaml(c.launcher) for _, c in configs}
+    launchers = {json.dumps(OmegaConf.to_container(c.launcher, resolve=True), sort_keys=True, default=str)
+                 for _, c in configs}
     if len(launchers) > 1:
         raise ConfigError("a sweep is one job array: launcher.* must be the same for every task")
     lc = configs[0][1].launcher

@@ -11,10 +11,11 @@ them and prints a table of each task's overrides, state, restarts and metrics.
 # where dataclasses cannot resolve string annotations.
 import copy
 import logging
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # no public base for a sweeper that launches
 from hydra.core.config_store import ConfigStore
@@ -58,38 +59,93 @@ class GwenlakeSweeper(BasicSweeper):
         return None
 
 
-def derive_task_config(base: DictConfig, base_overrides: Sequence[str], overrides: Sequence[str]) -> Optional[DictConfig]:
-    """The config of a sweep task from the first task's (``base``, composed by Hydra with ``base_overrides``) when
-    ``overrides`` only change values of keys that exist in it; None when Hydra must compose it (another key set,
-    a config group, an added or deleted key, a value the schema refuses)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf, read_write
-    from omegaconf.errors import OmegaConfBaseException
+_SIMPLE = re.compile(r"^([A-Za-z_][\w.]*)=([\w.+-]*)$")
+_NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+_WORD = re.compile(r"^[A-Za-z][A-Za-z0-9-]*$")
 
-    parser = OverridesParser.create()
-    try:
-        before = {o.key_or_group: o for o in parser.parse_overrides(list(base_overrides))}
-        after = {o.key_or_group: o for o in parser.parse_overrides(list(overrides))}
-    except Exception:  # noqa: BLE001 - Hydra reports it when it composes
+
+def _simple_value(raw: str) -> Any:
+    """The value Hydra's override grammar gives a plain number, word, true/false/null; _NOT_SIMPLE otherwise."""
+    low = raw.lower()
+    if low == "null":
         return None
-    if before.keys() != after.keys():
-        return None
-    cfg = copy.deepcopy(base)
-    for key, o in after.items():
-        if o.input_line == before[key].input_line:
-            continue
-        if o.is_add() or o.is_delete() or o.is_force_add() or o.is_sweep_override() or o.package is not None:
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("inf", "+inf", "-inf", "nan"):
+        return float(low)
+    if _NUMBER.match(raw):
+        return int(raw) if re.fullmatch(r"[+-]?\d+", raw) else float(raw)
+    if _WORD.match(raw):
+        return raw
+    return _NOT_SIMPLE
+
+
+_NOT_SIMPLE = object()
+
+
+class TaskDeriver:
+    """Derives sweep task configs from the first task's (``base``, composed by Hydra with ``base_overrides``).
+
+    A task whose overrides differ from the first's only by values of keys that exist in it is that config
+    (without its ``hydra`` node, which the job never reads) with those values set: a copy of a few hundred
+    nodes and a few assignments checked by the same schema, instead of a composition (about half a second).
+    """
+
+    def __init__(self, base: DictConfig, base_overrides: Sequence[str]) -> None:
+        from omegaconf import OmegaConf
+
+        self.light = OmegaConf.masked_copy(base, [k for k in base.keys() if k != "hydra"])
+        self.base_lines = {line.split("=", 1)[0]: line for line in base_overrides}
+        self.base_keys = [line.split("=", 1)[0] for line in base_overrides]
+
+    def derive(self, overrides: Sequence[str]) -> Optional[DictConfig]:
+        """The task's config, or None when Hydra must compose it (another key set, a config group, an added or
+        deleted key, a value the schema refuses)."""
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+
+        if [line.split("=", 1)[0] for line in overrides] != self.base_keys:
             return None
-        node = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
-        if "/" in key or key.startswith("hydra") or isinstance(node, DictConfig) or OmegaConf.is_list(node):
-            return None
+        changes = []
+        for line in overrides:
+            key = line.split("=", 1)[0]
+            if line == self.base_lines[key]:
+                continue
+            m = _SIMPLE.match(line)
+            value = _simple_value(m.group(2)) if m else _NOT_SIMPLE
+            if value is _NOT_SIMPLE:
+                value = self._parsed_value(line)
+                if value is _NOT_SIMPLE:
+                    return None
+            node = OmegaConf.select(self.light, key, default=None, throw_on_missing=False)
+            if key.startswith(("hydra", "+", "~")) or "/" in key or isinstance(node, DictConfig) \
+                    or OmegaConf.is_list(node):
+                return None
+            changes.append((key, value))
+        cfg = copy.deepcopy(self.light)
         try:
-            OmegaConf.update(cfg, key, o.value(), merge=False)  # typed nodes refuse a wrong value
+            for key, value in changes:
+                OmegaConf.update(cfg, key, value, merge=False)  # typed nodes refuse a wrong value
         except (OmegaConfBaseException, ValueError, TypeError):
             return None
-    with read_write(cfg.hydra), open_dict(cfg.hydra):
-        cfg.hydra.overrides.task = list(overrides)
-    return cfg
+        return cfg
+
+    @staticmethod
+    def _parsed_value(line: str) -> Any:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        try:
+            (o,) = OverridesParser.create().parse_overrides([line])
+        except Exception:  # noqa: BLE001 - Hydra reports it when it composes
+            return _NOT_SIMPLE
+        if o.is_add() or o.is_delete() or o.is_force_add() or o.is_sweep_override() or o.package is not None:
+            return _NOT_SIMPLE
+        return o.value()
+
+
+def derive_task_config(base: DictConfig, base_overrides: Sequence[str], overrides: Sequence[str]) -> Optional[DictConfig]:
+    """:meth:`TaskDeriver.derive` for one task (see there)."""
+    return TaskDeriver(base, base_overrides).derive(overrides)
 
 
 class GwenlakeSlurmLauncher(Launcher):
@@ -113,20 +169,20 @@ class GwenlakeSlurmLauncher(Launcher):
         setup_globals()
         assert self.config is not None and self.hydra_context is not None
         configs = []
-        base: Optional[DictConfig] = None
-        base_overrides: List[str] = []
+        deriver: Optional[TaskDeriver] = None
+        task_name = "gwenlake"
         for idx, overrides in enumerate(job_overrides):
             # Hydra composes every task from scratch (about half a second each): a task that differs from the
             # first only by values of existing keys is that config with those values set, checked against
             # the same schema; anything else (a config group, +key, ~key) is composed by Hydra.
-            cfg = derive_task_config(base, base_overrides, list(overrides)) if base is not None else None
+            cfg = deriver.derive(list(overrides)) if deriver is not None else None
             if cfg is None:
                 cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-                if base is None:
-                    base, base_overrides = copy.deepcopy(cfg), list(overrides)
-            with open_dict(cfg):
-                cfg.hydra.job.id = initial_job_idx + idx
-                cfg.hydra.job.num = initial_job_idx + idx
+                with open_dict(cfg):
+                    cfg.hydra.job.id = initial_job_idx + idx
+                    cfg.hydra.job.num = initial_job_idx + idx
+                if deriver is None:
+                    deriver, task_name = TaskDeriver(cfg, list(overrides)), str(cfg.hydra.job.name)
             configs.append((list(filter_overrides(overrides)), cfg))
         try:
             tasks = submit_array(configs)
@@ -139,8 +195,7 @@ class GwenlakeSlurmLauncher(Launcher):
             # task is only submitted: Hydra has no status for that (UNKNOWN would stop its sweeper), so it is
             # COMPLETED for Hydra, and the task's own record says "state": absent, the table SUBMITTED.
             failed = task.get("state") not in (None, "COMPLETED")
-            ret = JobReturn(overrides=overrides, cfg=cfg, hydra_cfg=cfg, working_dir=str(Path.cwd()),
-                            task_name=str(cfg.hydra.job.name),
+            ret = JobReturn(overrides=overrides, cfg=cfg, hydra_cfg=cfg, working_dir=str(Path.cwd()), task_name=task_name,
                             status=JobStatus.FAILED if failed else JobStatus.COMPLETED)
             ret.return_value = RuntimeError(f"task {task['job_id']} ended {task['state']}") if failed else task
             returns.append(ret)
