@@ -252,18 +252,18 @@ def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
     params_cfg = OmegaConf.to_container(job.params, resolve=True) if job.get("params") is not None else {}
     config_obj, params = resolve_params(tf, params_cfg)
     seed = _setting(job, d, "seed")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ConfigError(f"job.seed={seed!r}: must be an integer >= 0")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise ConfigError(f"job.seed={seed!r}: must be an integer from 0 to 2**63-1 (torch's seed range)")
     run_name = job.get("model") or tf.run_name
 
     paths = cfg.paths
-    runs_root = Path(paths.runs_root).expanduser().resolve()
-    catalog = Catalog(Path(paths.data_root).expanduser().resolve())
+    runs_root = _path_setting("paths.runs_root", paths.runs_root)
+    catalog = Catalog(_path_setting("paths.data_root", paths.data_root))
     tracking_uri = None
     if _setting(job, d, "tracking"):
         tracking_uri = validate_uri(cfg.tracking.uri) if cfg.tracking.get("uri") else default_uri(runs_root)
-    repo_path = Path(paths.model_repo).expanduser().resolve() if paths.get("model_repo") else None
-    _check_paths(runs_root, Path(paths.data_root).expanduser().resolve(), repo_path, tracking_uri)
+    repo_path = _path_setting("paths.model_repo", paths.model_repo) if paths.get("model_repo") else None
+    _check_paths(runs_root, _path_setting("paths.data_root", paths.data_root), repo_path, tracking_uri)
     if tf.prepare is not None:
         tf.prepare(catalog, config_obj)
 
@@ -290,6 +290,20 @@ def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
                    tracking_uri=tracking_uri, runs_root=runs_root, repo_path=repo_path, inputs=inputs,
                    datasets=datasets, dataset_facts=dataset_facts, model_versions=model_versions, key=key,
                    run_dir=runs_root / tf.output.name / key)
+
+
+def _path_setting(key: str, value: Any) -> Path:
+    """The absolute path of a ``paths.*`` setting (``~`` expanded, symlinks resolved).
+
+    Raises:
+        ConfigError: empty (it would silently mean the working directory), or unresolvable (a symlink loop).
+    """
+    if value is None or not str(value).strip():
+        raise ConfigError(f"{key} is empty: give a folder (e.g. {key}=runs), or leave it out for the default")
+    try:
+        return Path(str(value)).expanduser().resolve()
+    except (RuntimeError, OSError) as exc:  # RuntimeError: a symlink loop
+        raise ConfigError(f"{key}={value!r} cannot be resolved ({exc}): point it to a real folder") from None
 
 
 def _check_paths(runs_root: Path, data_root: Path, repo_path: Path | None, tracking_uri: str | None) -> None:
@@ -325,6 +339,13 @@ def _check_paths(runs_root: Path, data_root: Path, repo_path: Path | None, track
             raise ConfigError(f"tracking.uri={tracking_uri}: the store's folder {store.parent} cannot be written "
                               f"({exc.strerror or exc}); point it to a writable folder, or use a tracking server "
                               "(http://host:5000)") from None
+    if repo_path is not None and not repo_path.exists():
+        # Created at the commit, after the whole training: its nearest existing folder must take a new one.
+        parent = next(p for p in repo_path.parents if p.exists())
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"paths.model_repo={repo_path} cannot be created ({parent} is "
+                              f"{'not a folder' if not parent.is_dir() else 'not writable'}): point it to a git "
+                              "repository, or to a new folder in a writable place")
     if repo_path is not None and repo_path.exists():
         if not repo_path.is_dir():
             raise ConfigError(f"paths.model_repo={repo_path} is a file, not a git repository: point it to a "
@@ -349,10 +370,10 @@ def _length(job: Any, defaults: Mapping[str, Any]) -> tuple[Any, Any]:
 
 def _check_settings(cfg: Any, steps: Any, epochs: Any, eval_every: Any) -> None:
     """Refuse bad settings before anything is written (run.json, tracking, checkpoints)."""
-    if steps is not None and (not isinstance(steps, int) or steps < 1):
+    if steps is not None and (not isinstance(steps, int) or not 1 <= steps < 2**62):
         # 0 would commit an untrained model as a version (and move `candidate` to it)
         raise ConfigError(f"job.steps={steps!r}: must be an integer >= 1 (a training of 0 steps trains nothing)")
-    if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
+    if epochs is not None and (not isinstance(epochs, int) or not 1 <= epochs < 2**62):
         raise ConfigError(f"job.epochs={epochs!r}: must be an integer >= 1")
     if not isinstance(eval_every, int) or eval_every < 1:
         raise ConfigError(f"job.eval_every={eval_every!r}: must be an integer >= 1")

@@ -23,6 +23,8 @@ def snapshot(root):
 def trained(project):
     project.run("+job=t", "job.tracking=false", check=0)
     (project.root / "afile").write_text("a plain file where a folder is expected\n")
+    (project.root / "loop1").symlink_to("loop2")
+    (project.root / "loop2").symlink_to("loop1")
     return project
 
 
@@ -52,6 +54,11 @@ def trained(project):
     (["+job=t", "paths.runs_root=/proc/gwenlake-runs"], "paths.runs_root=/proc/gwenlake-runs cannot be written"),
     (["+job=t", "paths.model_repo=afile"], "paths.model_repo="),
     (["+job=t", "paths.model_repo=conf"], "is not a git repository"),
+    (["+job=t", "paths.model_repo=afile/x"], "cannot be created"),  # found before the training, not after
+    (["+job=t", "paths.runs_root=loop1"], "paths.runs_root='loop1' cannot be resolved"),  # a symlink loop
+    (["+job=t", "paths.runs_root="], "paths.runs_root is empty"),
+    (["+job=t", "job.seed=99999999999999999999999"], "job.seed"),
+    (["+job=t", "job.steps=99999999999999999999999"], "job.steps"),
     (["+job=t", "job.model=modèle"], "job.model='modèle'"),  # Hydra's lexer refuses it unquoted: say how
     (["+job=t", "paths.runs_root='ru\nns'"], "holds control characters"),
     # A sweep with one bad task: its message, nothing submitted (checked before sbatch, no cluster needed).

@@ -87,7 +87,7 @@ def validate_uri(uri: str) -> str:
         try:
             parts.port
         except ValueError:
-            raise ConfigError(f"tracking.uri={redact_uri(uri)!r}: the port is not a number; use "
+            raise ConfigError(f"tracking.uri={redact_uri(uri)!r}: the port is not a number from 0 to 65535; use "
                               f"{base}://host:5000") from None
         if not parts.hostname:
             raise ConfigError(f"tracking.uri={redact_uri(uri)!r} names no host; use {base}://host:5000")
