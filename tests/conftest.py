@@ -48,7 +48,11 @@ class Project:
 
 @pytest.fixture
 def project(tmp_path) -> Project:
-    root = tmp_path / "project"
+    return make_test_project(tmp_path / "project")
+
+
+def make_test_project(root: Path) -> Project:
+    """The tests' user project (conf/, tests/project's trainer and job t, dataset t.rows) at ``root``."""
     shutil.copytree(REPO / "conf", root / "conf")
     shutil.copy(HERE / "project" / "conf" / "job" / "t.yaml", root / "conf" / "job" / "t.yaml")
     shutil.copy(HERE / "project" / "trainer.py", root / "trainer.py")

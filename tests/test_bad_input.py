@@ -19,13 +19,25 @@ def snapshot(root):
     return out
 
 
-@pytest.fixture
-def trained(project):
+def _train(project):
     project.run("+job=t", "job.tracking=false", check=0)
     (project.root / "afile").write_text("a plain file where a folder is expected\n")
     (project.root / "loop1").symlink_to("loop2")
     (project.root / "loop2").symlink_to("loop1")
     return project
+
+
+@pytest.fixture
+def trained(project):
+    return _train(project)
+
+
+@pytest.fixture(scope="module")
+def trained_once(tmp_path_factory):
+    """One trained project for the whole table: every case must leave it as it was (each case checks that)."""
+    from conftest import make_test_project
+
+    return _train(make_test_project(tmp_path_factory.mktemp("bad-input") / "project"))
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -70,7 +82,8 @@ def trained(project):
     (["+job=t", "tracking.uri=mysql://u@127.0.0.1/db"], "needs the Python package MySQLdb"),
     (["+job=t", "tracking.uri=sqlite:////proc/gwenlake/mlflow.db"], "the store's folder /proc/gwenlake cannot"),
 ])
-def test_config_errors_exit_2_and_delete_nothing(trained, args, needle):
+def test_config_errors_exit_2_and_delete_nothing(trained_once, args, needle):
+    trained = trained_once
     before = snapshot(trained.root)
     starts = (next((trained.root / "runs" / "t.model").iterdir()) / "run.json").read_text()
     proc = trained.run(*args, "job.tracking=false" if "tracking.uri" not in " ".join(args) else "job.tracking=true")
