@@ -253,7 +253,8 @@ class DeliveryProcess:
         waited_lock = False
         while True:
             now = time.monotonic()
-            if not self.lock.try_acquire():
+            locked = self.lock.try_acquire()
+            if not locked:
                 if not waited_lock:
                     waited_lock = True
                     logger.info("tracking: waiting for the delivery process %s of an earlier start to end",
@@ -266,7 +267,7 @@ class DeliveryProcess:
                     self._on_failure(exc)
                     next_try = time.monotonic() + backoff
                     backoff = min(backoff * 2, self.retry_max_s)
-            op = self._next_op(self.flush_interval_s if self.lock.try_acquire() else 0.5)
+            op = self._next_op(self.flush_interval_s if locked else 0.5)
             if op is False:
                 continue
             if op is None or op.get("op") in ("finish", "close"):

@@ -109,6 +109,7 @@ class RunSession:
         self.marks: dict[str, int] = {}
         self.delivered = 0  # points stored by this session
         self.rejected: set[str] = set()  # keys the server refused (bad name): dropped
+        self._refusal = ""  # MLflow's reason for the last refused batch
 
     @property
     def rid(self) -> str:
@@ -212,8 +213,6 @@ class RunSession:
         A point whose step is at or below the mark of its key is skipped. Raises on a transient
         failure; the marks then cover exactly what was stored before it.
         """
-        from mlflow.entities import Metric
-
         seen = dict(self.marks)
         todo: list[Point] = []
         for point in points:
@@ -225,41 +224,39 @@ class RunSession:
         stored = 0
         for start in range(0, len(todo), MAX_METRICS_PER_BATCH):
             chunk = todo[start : start + MAX_METRICS_PER_BATCH]
-            metrics = [Metric(key, value, ts, step) for key, value, step, ts in chunk]
-            try:
-                self.client.log_batch(self.rid, metrics=metrics, synchronous=True)
-            except Exception as exc:
-                if not is_permanent(exc):
-                    raise
-                stored += self._log_points_by_key(chunk)
+            if self._send_points(chunk) is None:
+                # One refused key must not block the others: send key by key, drop the refused ones.
+                by_key: dict[str, list[Point]] = {}
+                for point in chunk:
+                    by_key.setdefault(point[0], []).append(point)
+                for key, points in by_key.items():
+                    sent = self._send_points(points) if len(by_key) > 1 else None
+                    if sent is None:
+                        self.rejected.add(key)
+                        logger.warning("tracking: the server refused metric %r, dropping its points: %s", key,
+                                       self._refusal)
+                        continue
+                    stored += sent
                 continue
-            self._mark(chunk)
             stored += len(chunk)
         self.delivered += stored
         return stored
 
-    def _log_points_by_key(self, chunk: Sequence[Point]) -> int:
-        # One refused key must not block the others: send key by key, drop the refused ones.
+    def _send_points(self, points: Sequence[Point]) -> int | None:
+        """log_batch ``points`` and raise their marks; None when MLflow refused them for good (a bad key; the
+        reason is kept in ``_refusal``). Raises on a transient failure."""
         from mlflow.entities import Metric
 
-        by_key: dict[str, list[Point]] = {}
-        for point in chunk:
-            by_key.setdefault(point[0], []).append(point)
-        stored = 0
-        for key, points in by_key.items():
-            metrics = [Metric(k, value, ts, step) for k, value, step, ts in points]
-            try:
-                self.client.log_batch(self.rid, metrics=metrics, synchronous=True)
-            except Exception as exc:
-                if not is_permanent(exc):
-                    raise
-                self.rejected.add(key)
-                logger.warning("tracking: the server refused metric %r, dropping its points: %s", key,
-                               scrub(exc, self.uri))
-                continue
-            self._mark(points)
-            stored += len(points)
-        return stored
+        try:
+            self.client.log_batch(self.rid, metrics=[Metric(k, v, ts, step) for k, v, step, ts in points],
+                                  synchronous=True)
+        except Exception as exc:
+            if not is_permanent(exc):
+                raise
+            self._refusal = scrub(exc, self.uri)
+            return None
+        self._mark(points)
+        return len(points)
 
     def _mark(self, points: Sequence[Point]) -> None:
         for key, _, step, _ in points:
