@@ -448,14 +448,24 @@ def test_a_time_limit_warning_during_start_up_is_a_stop_not_a_kill(project):
     proc = project.run("+job=t", "launcher=slurm", "launcher.timeout_min=5", "launcher.partition=high",
                        "launcher.max_retries=0", check=0)
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
-    deadline = time.time() + 300
     run_dir = re.search(r"run directory (\S+)", proc.stdout).group(1)
     pattern = f"^{re.escape(sys.executable)} -m gwenlake_hpc.launch.boot -u -m submitit.core._submit {re.escape(run_dir)}"
-    while time.time() < deadline:  # the step's interpreter exists (the cluster's nodes are this machine)
-        if subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 0:
-            break
-        time.sleep(0.01)
-    time.sleep(0.3)  # its first lines ran; submitit, torch and the trainer are still loading
+
+    def step_catches_usr2():
+        """The step's interpreter (the cluster's nodes are this machine) has run boot's first lines: SIGUSR2 is
+        caught (bit 12 of SigCgt in /proc/PID/status) while submitit, torch and the trainer are still loading."""
+        found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+        for pid in found:
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            caught = re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M)
+            if caught and int(caught.group(1), 16) & (1 << (12 - 1)):
+                return True
+        return False
+
+    wait_until(step_catches_usr2, timeout=300, what="the job step catching SIGUSR2", poll=0.01)
     sent = 0
     for _ in range(20):
         sent += subprocess.run(["scancel", "--signal=USR2", job], capture_output=True).returncode == 0
