@@ -205,11 +205,9 @@ def shield_children(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[None]:
     SLURM sends the time-limit warning (SIGUSR2) and SIGTERM to every process of the job step. A ``git``
     child of the final commit would die from them ("git write-tree failed (exit -12)") and fail a training
     that had finished. A blocked signal stays pending in such a child, which ends normally; in this process
-    the handlers still record it (at the latest when the block ends), so nothing is lost.
+    the handlers still record it (at the latest when the block ends), so nothing is lost. Works in any thread
+    (the mask is the calling thread's; Python runs the handlers in the main thread either way).
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(signals))
     try:
         yield

@@ -26,10 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Union
 
-import git
-
 from .errors import ConfigError, GwenlakeError
 from .fsutil import mkdtemp
+from .signals import shield_children
+
+with shield_children():  # GitPython runs `git version` on import: SLURM's warning (SIGUSR2) must not kill it
+    import git
 
 log = logging.getLogger("gwenlake_hpc.versioning")
 
@@ -104,13 +106,14 @@ def _git(cwd: PathLike, env: Mapping[str, str], command: str, *args: str,
     kwargs = dict(env=dict(env), with_extended_output=True, with_exceptions=False,
                   stdout_as_string=False, strip_newline_in_stdout=False)
     call = getattr(runner, command)
-    if stdin is None:
-        status, out, err = call(*args, **kwargs)
-    else:
-        with tempfile.TemporaryFile() as fh:
-            fh.write(stdin)
-            fh.seek(0)
-            status, out, err = call(*args, istream=fh, **kwargs)
+    with shield_children():  # in a job step, SLURM's stop signals reach every process: not git's to die of
+        if stdin is None:
+            status, out, err = call(*args, **kwargs)
+        else:
+            with tempfile.TemporaryFile() as fh:
+                fh.write(stdin)
+                fh.seek(0)
+                status, out, err = call(*args, istream=fh, **kwargs)
     if status not in ok:
         shown = " ".join(args)
         if len(shown) > 300:
@@ -493,7 +496,7 @@ def _smudge_pointers(cwd: PathLike, env: Mapping[str, str], out_dir: Path) -> in
             tmp = path.with_name(f".{name}.smudge")
             # GIT_LFS_SKIP_SMUDGE=1 (common in CI clones) would make smudge echo the pointer back.
             smudge_env = {k: v for k, v in {**os.environ, **env}.items() if k != "GIT_LFS_SKIP_SMUDGE"}
-            with open(tmp, "wb") as fh:
+            with open(tmp, "wb") as fh, shield_children():
                 proc = subprocess.run(["git", "lfs", "smudge", "--", name], input=pointer, stdout=fh,
                                       stderr=subprocess.PIPE, cwd=cwd, env=smudge_env, timeout=3600)
             if proc.returncode != 0 or (tmp.stat().st_size < _LFS_POINTER_MAX and is_lfs_pointer(tmp.read_bytes())):

@@ -71,3 +71,24 @@ def test_children_started_while_shielded_survive_the_stop_signals():
     time.sleep(0.2)
     os.kill(unshielded.pid, signal.SIGUSR2)
     assert unshielded.wait(timeout=10) == -signal.SIGUSR2
+
+
+def test_children_started_from_a_thread_while_shielded_survive_the_stop_signals():
+    """The tracker starts its delivery process from a thread: the block applies to the calling thread's children."""
+    import threading
+
+    from gwenlake_hpc.signals import shield_children
+
+    codes = []
+
+    def start():
+        with shield_children():
+            child = subprocess.Popen(["sleep", "1"])
+        time.sleep(0.2)
+        os.kill(child.pid, signal.SIGUSR2)
+        codes.append(child.wait(timeout=10))
+
+    t = threading.Thread(target=start)
+    t.start()
+    t.join(30)
+    assert codes == [0]

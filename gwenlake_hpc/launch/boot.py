@@ -12,7 +12,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-from ..signals import install_early
+from ..signals import ignore_from_now_on, install_early
 
 
 def main(argv: list[str]) -> None:
@@ -26,7 +26,12 @@ def main(argv: list[str]) -> None:
     if len(args) < 2 or args[0] != "-m":
         raise SystemExit(f"usage: python -m gwenlake_hpc.launch.boot [-u] -m MODULE [ARGS...], got {argv!r}")
     sys.argv = [args[1], *args[2:]]
-    runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    finally:
+        # Python puts back the default actions while it shuts down: a late SIGUSR2 (SLURM's warning, repeated)
+        # would then end a finished step with "FAILED 12:0".
+        ignore_from_now_on()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ The delivery process talks to the training over its standard input and output, o
 - it writes events: ``{"event": "attached", "run_id", "created", "marks"}``, ``{"event": "log", "name",
   "level", "msg"}`` (its log records, re-emitted by the training's logging), ``{"event": "done", "result"}``.
 
-It ignores SIGTERM and SIGINT: SLURM signals every process of a job step at eviction, and the delivery must go
+It ignores SIGTERM, SIGINT and SIGUSR2 (the time-limit warning): SLURM signals every process of a job step at eviction, and the delivery must go
 on until the training has written its last points and says so. When the training dies without a word (end of
 its standard input, or a new parent process), the delivery process delivers what is there for up to 30 s and
 exits. One process at a time delivers a state folder: it holds ``deliver.lock`` (``flock``).
@@ -395,7 +395,7 @@ class DeliveryProcess:
 
 def main() -> int:
     """Entry point of the delivery process (started by the Tracker; not a user command)."""
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
     with contextlib.suppress(OSError, ValueError):
         os.nice(int(os.environ.get("GWENLAKE_DELIVERY_NICE", "0")))

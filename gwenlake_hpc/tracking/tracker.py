@@ -33,6 +33,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..fsutil import write_atomic
+from ..signals import shield_children
 from .session import MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE_LENGTH, MAX_TAG_VALUE_LENGTH, http_env
 from .spool import Entry, SpoolReader, SpoolWriter, encode
 from .state import TERMINAL_STATUSES, TRACKING_JSON, read_run_id, sync_hint, write_pending_status
@@ -349,9 +350,11 @@ class Tracker:
         env["GWENLAKE_DELIVERY_NICE"] = str(DELIVERY_NICE)
         try:
             # A session of its own: a Ctrl-C in the terminal is for the training, which then ends the delivery.
-            proc = subprocess.Popen([sys.executable, "-m", "gwenlake_hpc.tracking"],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                    start_new_session=True)
+            # Stop signals blocked until it ignores them itself (SLURM signals every process of a job step).
+            with shield_children():
+                proc = subprocess.Popen([sys.executable, "-m", "gwenlake_hpc.tracking"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                        start_new_session=True)
             assert proc.stdin is not None
             setup = {"state_dir": str(self._state_dir), "uri": self._uri, "flush_interval_s": self._flush_interval_s,
                      "retry_max_s": self._retry_max_s, "ppid": os.getpid(), "after_attach": self._after_attach}
