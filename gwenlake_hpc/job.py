@@ -42,7 +42,7 @@ from .run import Run, async_default, seed_everything
 from .signals import StopRequest, shield_children
 from .tracking import (NullTracker, Tracker, default_uri, flatten, is_sqlite, sqlite_path, state_dir_for,
                        validate_uri)
-from .registry import after_commit, serving_info
+from .registry import after_commit, serving_info, warn_if_pending
 from .versioning import (code_state, commit_model, default_model_repo, export_version, find_run_version, list_versions,
                          open_model_repo)
 
@@ -728,16 +728,21 @@ def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any
         tracker.finish("FAILED", timeout_s=finish_timeout)
         return JobResult(EXIT_FAILED, None, run_dir, run.step)
     # Registry, alias 'candidate', push: each failure only logs a warning (after_commit never raises).
-    after_commit(repo=repo, model_name=model_name, version=version, out_dir=out_dir, lineage=lineage,
-                 tracking_uri=p.tracking_uri if tracking_on else None, run_id=tracker.run_id if tracking_on else None,
-                 metrics=metrics, state_dir=tracker.state_dir if tracking_on else None)
+    # The MLflow registration is deferred to the delivery process (MLflow is loaded there, not here).
+    deferred = after_commit(repo=repo, model_name=model_name, version=version, out_dir=out_dir, lineage=lineage,
+                            tracking_uri=p.tracking_uri if tracking_on else None,
+                            run_id=tracker.run_id if tracking_on else None, metrics=metrics,
+                            state_dir=tracker.state_dir if tracking_on else None, defer=tracking_on)
 
     tracker.set_tags({"gwenlake.version": version})
     info["completed"] = {"steps": steps, "epochs": epochs, "final_step": run.step, "version": version,
                          "time": time.time()}
     info.setdefault("completions", []).append(info["completed"])
     write_json_atomic(info_path, info)
-    tracker.finish("FINISHED", timeout_s=min(finish_timeout, 5.0) if stop.requested else finish_timeout)
+    tracker.finish("FINISHED", timeout_s=min(finish_timeout, 5.0) if stop.requested else finish_timeout,
+                   after_finish="gwenlake_hpc.registry:complete_pending_registrations" if deferred else None)
+    if deferred:
+        warn_if_pending(tracker.state_dir, model_name, version)
     print(f"model {model_name} version {version}", flush=True)
     return JobResult(0, version, run_dir, run.step)
 

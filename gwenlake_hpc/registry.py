@@ -482,8 +482,7 @@ def complete_pending_registrations(state_dir: str | os.PathLike[str], tracking_u
             m = load_model(entry["model"], entry["version"], repo=entry.get("repo"))
             extra = {rel: read_file(entry.get("repo"), entry["model"], entry["version"], rel)
                      for rel in ("metrics.json", "lineage.json")}
-            register_version(tracking_uri, entry["model"], m.version, run_id, m.path,
-                             {"gwenlake.code_commit": str((m.lineage.get("code") or {}).get("commit"))}, extra)
+            register_version(tracking_uri, entry["model"], m.version, run_id, m.path, version_tags(m.lineage), extra)
             for alias, sha in current_aliases(entry["model"], entry.get("repo")).items():
                 if sha == m.version:
                     mlflow_set_alias(tracking_uri, entry["model"], alias, sha)
@@ -596,40 +595,58 @@ def _redact(uri: str) -> str:
     return _redact_uri(uri)
 
 
+def version_tags(lineage: Mapping[str, Any]) -> dict[str, str]:
+    """The MLflow model version's tags from a version's lineage.json: ``gwenlake.code_commit`` (when the code
+    was committed) and ``gwenlake.dataset.<binding>`` = ``name@revision`` for each input dataset."""
+    tags = {}
+    code = (lineage.get("code") or {}).get("commit")
+    if code:
+        tags["gwenlake.code_commit"] = str(code)
+    for n, d in (lineage.get("datasets") or {}).items():
+        tags[f"gwenlake.dataset.{n}"] = f"{d.get('name')}@{d.get('revision')}"
+    return tags
+
+
 #: In a run's tracking state folder: versions committed but not registered yet (a JSON list).
 PENDING_REGISTRATIONS = "pending_registrations.json"
 
 
 def after_commit(*, repo: Any, model_name: str, version: str, out_dir: Path, lineage: Mapping[str, Any],
                  tracking_uri: str | None, run_id: str | None, metrics: Mapping[str, float] | None = None,
-                 state_dir: Path | None = None) -> None:
+                 state_dir: Path | None = None, defer: bool = False) -> bool:
     """What a finished training does after its commit; each step only warns when it fails.
 
     1. Push the model's versions to ``git config gwenlake.remote`` of the model repository, when set.
     2. Register the version in the MLflow Model Registry (when tracking is on and the run exists). When it
        cannot be (no MLflow run attached yet, MLflow unreachable), the version goes on the to-do list
        ``<state_dir>/pending_registrations.json`` with a warning naming the command that completes it
-       (``tracking sync RUN_DIR``, which :func:`complete_pending_registrations`).
+       (``tracking sync RUN_DIR``, which :func:`complete_pending_registrations`). With ``defer`` (and a
+       ``state_dir``), it goes on that list without a try here: the training's delivery process, which has
+       MLflow loaded already, completes it as the run finishes (:func:`warn_if_pending` says if it did not).
     3. Point the alias ``candidate`` at it (git alias log, mirrored in MLflow), unless one of its ``metrics``
        is NaN or infinite. Only ``models promote`` sets ``champion``.
     Never raises: the commit is what matters, and the files stay in ``out_dir`` whatever happens here.
+    Returns True when the registration was deferred (listed for the delivery process).
     """
-    tags = {}
-    code = (lineage.get("code") or {}).get("commit")
-    if code:
-        tags["gwenlake.code_commit"] = code
-    for n, d in (lineage.get("datasets") or {}).items():
-        tags[f"gwenlake.dataset.{n}"] = f"{d.get('name')}@{d.get('revision')}"
+    if defer and tracking_uri and state_dir is not None:
+        try:
+            _add_pending(state_dir, {"model": model_name, "version": version, "repo": str(_repo(repo).working_dir)})
+        except OSError as exc:
+            log.warning("could not record the pending registration in %s: %s", state_dir, exc)
+            defer = False
+    else:
+        defer = False
+    tags = version_tags(lineage)
     registered = False
     why = "no MLflow run is attached to the training yet"
-    if tracking_uri and run_id:
+    if tracking_uri and run_id and not defer:
         try:
             extra = {rel: read_file(repo, model_name, version, rel) for rel in ("metrics.json", "lineage.json")}
             register_version(tracking_uri, model_name, version, run_id, out_dir, tags, extra)
             registered = True
         except Exception as exc:  # noqa: BLE001 - a tracking outage never fails a training
             why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-    if tracking_uri and not registered:
+    if tracking_uri and not registered and not defer:
         todo = f"`python -m gwenlake_hpc models register {model_name} {version}`"
         if state_dir is not None:
             try:
@@ -666,6 +683,26 @@ def after_commit(*, repo: Any, model_name: str, version: str, out_dir: Path, lin
         except Exception as exc:  # noqa: BLE001
             log.warning("could not push %s to %s (%s); push later with `python -m gwenlake_hpc models push %s "
                         "%s`", model_name, _redact(remote), exc, model_name, _redact(remote))
+    return defer
+
+
+def warn_if_pending(state_dir: Path, model_name: str, version: str) -> bool:
+    """After a deferred registration (:func:`after_commit` with ``defer``): warn, naming the command that
+    completes it, when ``version`` is still on ``<state_dir>/pending_registrations.json`` (MLflow unreachable,
+    no run attached, the delivery process out of time). Returns True when it is still pending."""
+    from .fsutil import read_json
+
+    try:
+        todo = read_json(Path(state_dir) / PENDING_REGISTRATIONS, default=None) or []
+    except (OSError, ValueError):
+        todo = []
+    if not any(e.get("version") == version for e in todo):
+        return False
+    run_dir = state_dir.parent if state_dir.name.startswith("tracking") else state_dir
+    log.warning("%s version %s is committed but not registered in the MLflow Model Registry yet; "
+                "`python -m gwenlake_hpc tracking sync %s` registers it once MLflow answers (the next start of "
+                "this training does too)", model_name, version[:12], run_dir)
+    return True
 
 
 # --- command line ---------------------------------------------------------------------------------------------

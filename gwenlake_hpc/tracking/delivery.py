@@ -9,7 +9,7 @@ The delivery process talks to the training over its standard input and output, o
 - it reads its settings first: ``{"state_dir", "uri", "flush_interval_s", "retry_max_s", "ppid"}`` (the URI,
   password included, never appears on a command line or in a file);
 - then commands: ``{"op": "wake"}`` (points are waiting), ``{"op": "finish", "status", "end_time",
-  "timeout_s"}`` or ``{"op": "close", "timeout_s"}`` (the training ends; deliver everything, then reply);
+  "timeout_s", "after"}`` (``after``: optional ``"module:function"`` called with (state_dir, uri) once done) or ``{"op": "close", "timeout_s"}`` (the training ends; deliver everything, then reply);
 - it writes events: ``{"event": "attached", "run_id", "created", "marks"}``, ``{"event": "log", "name",
   "level", "msg"}`` (its log records, re-emitted by the training's logging), ``{"event": "done", "result"}``.
 
@@ -364,6 +364,8 @@ class DeliveryProcess:
             backoff = min(backoff * 2, 2.0)
         if self.hook is not None:
             self.hook.join(max(deadline - time.monotonic(), 0.0))
+        if result and op is not None and op.get("after"):
+            self._run_hook(str(op["after"]))
         if op is not None:
             with contextlib.suppress(Exception):
                 self.send({"event": "done", "result": result})

@@ -259,12 +259,16 @@ class Tracker:
             return False
         return self._write(sync=True)
 
-    def finish(self, status: str, timeout_s: float = 30.0) -> bool:
+    def finish(self, status: str, timeout_s: float = 30.0, after_finish: str | None = None) -> bool:
         """Deliver everything, then mark the run ``status``; stop the delivery process either way.
 
         Args:
             status: ``"FINISHED"``, ``"KILLED"`` or ``"FAILED"``.
             timeout_s: seconds to wait for the delivery (plus up to 1 s for its answer).
+            after_finish: ``"module:function"`` called as ``function(state_dir, uri)`` in the delivery process
+                once every point is delivered and the run marked (e.g. the registration of the committed
+                version: MLflow is loaded there already, the training does not load it). Within ``timeout_s``;
+                its failures are logged as warnings and do not change the result.
 
         Returns:
             True when every point was delivered and the run terminated. False otherwise: the spool keeps the
@@ -278,7 +282,7 @@ class Tracker:
         status = str(status).upper()
         if status not in TERMINAL_STATUSES:
             raise ConfigError(f"tracking status must be one of {TERMINAL_STATUSES}, got {status!r}")
-        return self._shutdown("finish", status, timeout_s)
+        return self._shutdown("finish", status, timeout_s, after_finish)
 
     def close(self, timeout_s: float = 5.0) -> bool:
         """End without a terminal status (e.g. on eviction); the run stays RUNNING.
@@ -435,7 +439,7 @@ class Tracker:
     def _at_exit(self) -> None:
         self.close(timeout_s=5.0)
 
-    def _shutdown(self, kind: str, status: str | None, timeout_s: float) -> bool:
+    def _shutdown(self, kind: str, status: str | None, timeout_s: float, after: str | None = None) -> bool:
         timeout_s = max(float(timeout_s), 0.0)
         with self._api_lock:
             if self._final is not None:
@@ -453,7 +457,7 @@ class Tracker:
                 written = self._write(sync=True)
                 with contextlib.suppress(OSError):
                     self._writer.close()
-            result = self._ask_to_end(kind, status, end_time, timeout_s) and written
+            result = self._ask_to_end(kind, status, end_time, timeout_s, after) and written
             with self._proc_lock:
                 proc, self._proc = self._proc, None
             if proc is not None:
@@ -463,7 +467,8 @@ class Tracker:
             self._final = (kind, status, result)
             return result
 
-    def _ask_to_end(self, kind: str, status: str | None, end_time: int, timeout_s: float) -> bool:
+    def _ask_to_end(self, kind: str, status: str | None, end_time: int, timeout_s: float,
+                    after: str | None = None) -> bool:
         """Tell the delivery process to deliver everything and end (``finish``: then mark the run ``status``);
         True when it answered that it did. A delivery process that is dead, or dies meanwhile (killed on its
         own), is started again at once, twice at most, within the time left."""
@@ -489,6 +494,8 @@ class Tracker:
             op: dict[str, Any] = {"op": kind, "timeout_s": left}
             if status is not None:
                 op.update(status=status, end_time=end_time)
+            if after:
+                op["after"] = after
             self._answer.clear()
             self._send(op)
             while not self._answer.is_set() and proc.poll() is None and time.monotonic() < deadline:
@@ -544,8 +551,8 @@ class NullTracker:
         """Return True: nothing is waiting."""
         return True
 
-    def finish(self, status: str, timeout_s: float = 30.0) -> bool:
-        """Check ``status`` like :meth:`Tracker.finish` and return True.
+    def finish(self, status: str, timeout_s: float = 30.0, after_finish: str | None = None) -> bool:
+        """Check ``status`` like :meth:`Tracker.finish` and return True (``after_finish`` is not called).
 
         Raises:
             ConfigError: unknown ``status``.
