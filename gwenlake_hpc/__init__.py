@@ -21,6 +21,7 @@ _EXPORTS = {
     "LoadedModel": ".registry", "load_model": ".registry",
     "Run": ".run", "ShieldedWorkerInit": ".run",
     "load_state": ".checkpoint.state", "save_state": ".checkpoint.state",
+    "log_custom_metric": ".tracking.custom_metrics",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -64,6 +64,22 @@ class TrackingConfig:
 
 
 @dataclass
+class StatsdConfig:
+    """Where ``gwenlake_hpc.log_custom_metric`` sends its gauges (StatsD over UDP, DogStatsD tags).
+
+    Attributes:
+        host: the StatsD agent's host; None: ``$STATSD_HOST``, and without it custom metrics are off.
+        port: its UDP port; None: ``$STATSD_PORT``, else 8125.
+        prefix: metric names are ``<prefix>.custom_metrics.<name>``; None: ``$STATSD_PREFIX``, else
+            ``gwenlake``.
+    """
+
+    host: Optional[str] = None
+    port: Optional[int] = None
+    prefix: Optional[str] = None
+
+
+@dataclass
 class JobConfig:
     """One training job.
 
@@ -157,6 +173,7 @@ class GwenlakeConfig:
     job: JobConfig = field(default_factory=JobConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    statsd: StatsdConfig = field(default_factory=StatsdConfig)
     launcher: Any = MISSING
     cluster: Any = None  # a ClusterConfig when cluster=NAME selects conf/cluster/NAME.yaml
 

@@ -40,6 +40,8 @@ from .distributed import setup as setup_distributed
 from .distributed import teardown as teardown_distributed
 from .run import Run, async_default, seed_everything
 from .signals import StopRequest, shield_children
+from .tracking.custom_metrics import check_settings as check_statsd
+from .tracking.custom_metrics import configure as configure_statsd
 from .tracking import (NullTracker, Tracker, default_uri, flatten, is_sqlite, sqlite_path, state_dir_for,
                        validate_uri)
 from .registry import after_commit, serving_info, warn_if_pending
@@ -283,6 +285,8 @@ def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
 
     steps, epochs, eval_every = _length(job, d) + (_setting(job, d, "eval_every"),)
     _check_settings(cfg, steps, epochs, eval_every)
+    statsd = cfg.get("statsd") or {}
+    check_statsd(statsd.get("host"), statsd.get("port"), statsd.get("prefix"))
     key = make_run_key(tf.output.name, run_name, params, seed, datasets, model_versions)
     return JobPlan(cfg=cfg, tf=tf, steps=steps, epochs=epochs, eval_every=eval_every, seed=seed, run_name=run_name,
                    resume=str(getattr(resume, "value", resume)), on_nonfinite=on_nonfinite,
@@ -417,6 +421,8 @@ def _execute_rank(cfg: Any, stop: StopRequest, d: Dist) -> JobResult:
     if not d.is_main:
         d.barrier()  # rank 0 plans first: a prepare hook materialises the data once, not once a rank
     p = plan(cfg)
+    statsd = p.cfg.get("statsd") or {}
+    configure_statsd(statsd.get("host"), statsd.get("port"), statsd.get("prefix"))  # exported to child processes
     run_dir = p.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, Any] = dict(p.inputs)

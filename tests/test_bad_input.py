@@ -73,6 +73,10 @@ def trained_once(tmp_path_factory):
     (["+job=t", "job.steps=99999999999999999999999"], "job.steps"),
     (["+job=t", "job.model=modèle"], "job.model='modèle'"),  # Hydra's lexer refuses it unquoted: say how
     (["+job=t", "paths.runs_root='ru\nns'"], "holds control characters"),
+    (["+job=t", "statsd.port=70000"], "statsd.port=70000 is not a UDP port"),
+    (["+job=t", "statsd.port=x"], "statsd.port"),  # the schema's type check
+    (["+job=t", "statsd.prefix='a:b'"], "statsd.prefix='a:b'"),
+    (["+job=t", "statsd.host=' '"], "statsd.host=' ' is not a host name"),
     # A sweep with one bad task: its message, nothing submitted (checked before sbatch, no cluster needed).
     (["-m", "+job=t", "launcher=slurm", "job.params.lr=0.1,fast"], "could not be converted to Float"),
     # Tracking URIs that could only fail later, slowly, as an "outage" of minutes.
