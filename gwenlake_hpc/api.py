@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import ConfigError, TrainDefinitionError
+from .resources import parse_resources
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*\.[A-Za-z0-9][A-Za-z0-9_-]*$")
 
@@ -163,7 +164,8 @@ Binding = typing.Union[Input, Output, Model]
 #: Decorator arguments that are settings rather than bindings, with their defaults.
 DEFAULTS: dict[str, Any] = {
     "steps": None, "epochs": None, "eval_every": 1000, "seed": 0, "model": None, "tracking": True,
-    "cpu": None, "memory": None, "gpu": None,
+    "cpu": None, "memory": None, "gpu": None, "env": None, "secrets": None, "metadata": None, "max_retries": None,
+    "name": None,
 }
 
 #: Every decorated function, by target ``module:qualname``.
@@ -177,7 +179,8 @@ class TrainFunction:
         fn: the function itself (calling the TrainFunction calls it unchanged).
         bindings: parameter name -> Input / Output / Model.
         defaults: the decorator's settings (``steps``, ``epochs``, ``eval_every``, ``seed``, ``model``,
-            ``tracking``, resources ``cpu``/``memory``/``gpu``), overridden by the job config.
+            ``tracking``, resources ``cpu``/``memory``/``gpu``...), overridden by the job config.
+        resources: the declared :class:`gwenlake_hpc.resources.Resources` (parsed at import).
         prepare: optional ``callable(catalog, config)`` run before the inputs are opened (to materialise
             datasets that are absent).
         config_type: the dataclass ``config`` is annotated with, or None (then config is a mapping).
@@ -188,7 +191,15 @@ class TrainFunction:
                  prepare: Callable[..., Any] | None):
         self.fn = fn
         self.bindings = bindings
+        if defaults.get("name") is not None:  # name= is the run's name, as model= (Chalk's spelling)
+            if defaults.get("model") not in (None, defaults["name"]):
+                raise TrainDefinitionError(f"@train on {fn.__qualname__}: name={defaults['name']!r} and "
+                                           f"model={defaults['model']!r} both name the run: keep one")
+            if not isinstance(defaults["name"], str) or not defaults["name"].strip():
+                raise TrainDefinitionError(f"@train name={defaults['name']!r}: give a non-empty string")
+            defaults = {**defaults, "model": defaults["name"]}
         self.defaults = defaults
+        self.resources = parse_resources(defaults)  # TrainDefinitionError at import, naming the setting
         self.prepare = prepare
         functools.update_wrapper(self, fn)
         sig = inspect.signature(fn)
@@ -270,7 +281,11 @@ def train(*, prepare: Callable[..., Any] | None = None, **kwargs: Any) -> Callab
     settings that the job config and command line override: ``steps`` (int, total optimisation steps),
     ``epochs`` (int, alternative to steps: epochs over the batches given to ``run.steps``), ``eval_every``
     (int, steps between ``run.at_eval``), ``seed`` (int), ``model`` (str, the run's name within the model),
-    ``tracking`` (bool), and resources ``cpu`` (int), ``memory`` (GB), ``gpu`` (int) for cluster launchers.
+    ``tracking`` (bool), ``name`` (str, same as ``model``), and for the SLURM launcher (defaults that
+    ``launcher.*`` overrides; see :mod:`gwenlake_hpc.resources`): ``cpu`` (``"8"``), ``memory`` (``"32Gi"``,
+    ``"500Mi"``, ``"2T"``, or a number of GiB), ``gpu`` (``"1"`` or ``"nvidia-a10g:1"``), ``env`` (dict),
+    ``secrets`` (names of environment variables), ``max_retries`` (int); ``metadata`` (dict) becomes tags of the
+    MLflow run.
     ``prepare`` is an optional ``callable(catalog, config)`` called before inputs are opened.
 
     The function must accept every binding by name and a ``run`` parameter (a :class:`gwenlake_hpc.run.Run`);

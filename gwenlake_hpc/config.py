@@ -130,7 +130,10 @@ class SlurmLauncherConfig(LauncherConfig):
         gpus_per_node: GPUs per node (``--gpus-per-node``); or ``gres`` such as ``gpu:a100:2``.
         mem_gb: memory per node in GB.
         signal_delay_s: seconds before the time limit at which SLURM sends SIGUSR2 (``--signal``).
-        max_retries: requeues after a time limit or a killed job step (preemptions are requeued by SLURM).
+        max_retries: requeues after a time limit or a killed job step (preemptions are requeued by SLURM);
+            null: ``@train(max_retries=)``, else 3.
+        cpus_per_task, mem_gb, gres, env, secrets left null/empty take what ``@train(cpu=, memory=, gpu=, env=,
+        secrets=)`` declared (:mod:`gwenlake_hpc.resources`).
         setup: shell lines run in the job before the training (module load, environment activation).
         additional_parameters: further sbatch options, e.g. ``{mail-type: END}``.
         env: environment variables for the job (not secret: they appear in the script).
@@ -156,7 +159,7 @@ class SlurmLauncherConfig(LauncherConfig):
     constraint: Optional[str] = None
     exclude: Optional[str] = None
     signal_delay_s: int = 120
-    max_retries: int = 3
+    max_retries: Optional[int] = None
     setup: List[str] = field(default_factory=list)
     additional_parameters: Dict[str, Any] = field(default_factory=dict)
     env: Dict[str, str] = field(default_factory=dict)

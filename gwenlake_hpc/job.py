@@ -531,8 +531,9 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     code = code_state(Path(sys.modules[tf.fn.__module__].__file__ or ".").resolve().parent
                       if getattr(sys.modules.get(tf.fn.__module__), "__file__", None) else Path.cwd())
     if tracking_on and d.is_main:  # rank 0 alone reports
-        tags = {"gwenlake.run_key": key, "gwenlake.target": tf.target, "gwenlake.host": socket.gethostname(),
-                "gwenlake.restarts": str(len(info["starts"]) - 1)}
+        tags = dict(tf.resources.metadata)  # @train(metadata={...}); ours below win on a clash
+        tags.update({"gwenlake.run_key": key, "gwenlake.target": tf.target, "gwenlake.host": socket.gethostname(),
+                     "gwenlake.restarts": str(len(info["starts"]) - 1)})
         tags.update({f"gwenlake.dataset.{n}": v for n, v in datasets.items()})
         tags.update({f"gwenlake.init_model.{n}": v for n, v in model_versions.items()})
         if code.commit:

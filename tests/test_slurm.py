@@ -476,3 +476,25 @@ def test_a_time_limit_warning_during_start_up_is_a_stop_not_a_kill(project):
     assert ":12" not in exit_codes and sent, exit_codes
     text = log_text_any(project, job)
     assert "stop requested (SIGUSR2)" in text, text[-3000:]
+
+
+def test_resources_declared_on_train_reach_the_job(project):
+    """@train(cpu="2", memory="500Mi", gpu="1", env=, secrets=, metadata=) on the real cluster: SLURM allocates
+    them, the job sees the env and the secret (not in its script), the MLflow run carries the metadata."""
+    proc = project.run("job.target=trainer.py:fit_declared", "launcher=slurm", "launcher.timeout_min=5",
+                       "launcher.partition=high", env={"GWL_TEST_TOKEN": "s3cr3t-value"}, check=0)
+    job = re.search(r"submitted job (\d+)", proc.stdout + proc.stderr).group(1)
+    fields = job_fields(job)
+    assert fields.get("MinMemoryNode") == "500M" and fields.get("NumCPUs") == "2", fields
+    assert "gres/gpu:1" in fields.get("TresPerNode", ""), fields
+    assert finish(job) == "COMPLETED"
+    text = log_text(project, job)
+    assert "GWL_DECLARED=from the decorator" in text and "token present: True" in text
+    secrets_file = run_dir(project) / "slurm" / "secrets.env"
+    assert secrets_file.stat().st_mode & 0o777 == 0o600
+    leaks = [p for p in project.root.rglob("*") if p.is_file() and p != secrets_file
+             and b"s3cr3t-value" in p.read_bytes()]
+    assert leaks == []  # not in the script, the logs, the spool, the store, the model repository
+    run = one_point_per_step(project, 20)
+    assert run.data.tags["team"] == "crm" and run.data.tags["purpose"] == "resources test"
+    assert "s3cr3t-value" not in str(run.data.params) + str(run.data.tags)

@@ -9,6 +9,7 @@ script's teardown (:mod:`gwenlake_hpc.launch.requeue`) decides about requeueing 
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -83,6 +84,40 @@ def _check_value(key: str, value: Any) -> None:
         raise ConfigError(f"launcher.{key}={value!r}: control characters (newlines) are not allowed in sbatch options")
 
 
+#: Requeues when neither ``launcher.max_retries`` nor ``@train(max_retries=)`` says.
+DEFAULT_MAX_RETRIES = 3
+
+
+def max_retries(lc: Any) -> int:
+    """``launcher.max_retries``, or :data:`DEFAULT_MAX_RETRIES` when it is null."""
+    value = lc.get("max_retries")
+    return DEFAULT_MAX_RETRIES if value is None else int(value)
+
+
+def with_declared(lc: Any, tf: Any) -> Any:
+    """A copy of the launcher config ``lc`` with the resources ``tf`` (a TrainFunction) declared on ``@train``
+    filled in where ``lc`` leaves them null: ``cpus_per_task``, ``mem_gb``, ``gres`` (unless ``gpus_per_node``
+    is set), ``max_retries``; ``env`` merged under ``launcher.env``; ``secrets`` added to ``launcher.secrets``.
+    The job config and the command line therefore override the decorator."""
+    from ..resources import launcher_defaults
+
+    res = getattr(tf, "resources", None)
+    out = copy.deepcopy(lc)
+    if res is None:
+        return out
+    for key, value in launcher_defaults(res).items():
+        if key == "gres" and out.get("gpus_per_node") is not None:
+            continue
+        if out.get(key) is None:
+            out[key] = value
+    if res.env:
+        out.env = {**res.env, **(OmegaConf.to_container(out.env) if out.get("env") else {})}
+    if res.secrets:
+        have = [str(s) for s in (out.get("secrets") or [])]
+        out.secrets = have + [s for s in res.secrets if s not in have]
+    return out
+
+
 def sbatch_parameters(lc: Any, job_name: str) -> dict[str, Any]:
     """submitit ``SlurmExecutor`` parameters from the launcher config.
 
@@ -94,7 +129,7 @@ def sbatch_parameters(lc: Any, job_name: str) -> dict[str, Any]:
     if lc.signal_delay_s < 1 or lc.signal_delay_s >= lc.timeout_min * 60:
         raise ConfigError(f"launcher.signal_delay_s={lc.signal_delay_s}: must be between 1 and the time limit "
                           f"({lc.timeout_min * 60} s)")
-    if lc.max_retries < 0:
+    if max_retries(lc) < 0:
         raise ConfigError(f"launcher.max_retries={lc.max_retries}: must be >= 0")
     params: dict[str, Any] = {"job_name": job_name, "time": int(lc.timeout_min), "nodes": int(lc.nodes),
                               "ntasks_per_node": int(lc.tasks_per_node), "signal_delay_s": int(lc.signal_delay_s)}
@@ -179,7 +214,7 @@ def teardown_lines(lc: Any, python: str | None = None) -> list[str]:
     """
     py = shlex.quote(python or sys.executable)
     return ["rc=$?",
-            f"{py} -m gwenlake_hpc.launch.requeue --rc \"$rc\" --max-retries {int(lc.max_retries)} "
+            f"{py} -m gwenlake_hpc.launch.requeue --rc \"$rc\" --max-retries {max_retries(lc)} "
             f"--signal-delay {int(lc.signal_delay_s)}",
             "exit $?"]
 
@@ -234,6 +269,8 @@ def submit(cfg: DictConfig) -> Submission | None:
     from ..tracking import is_sqlite
 
     p = plan(cfg)
+    cfg = copy.deepcopy(cfg)
+    cfg.launcher = with_declared(cfg.launcher, p.tf)  # @train(cpu=, memory=, gpu=...) under launcher.*
     lc = cfg.launcher
     if p.tracking_uri and is_sqlite(p.tracking_uri):
         log.warning("tracking.uri is SQLite (%s): SQLite on a shared filesystem is not safe for many concurrent "

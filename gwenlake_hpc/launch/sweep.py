@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..errors import ConfigError, GwenlakeError
 from . import status as slurm_status
 from .slurm import (SlurmEntry, Submission, _executor, job_container, record_job, sbatch_parameters, setup_lines,
-                    teardown_lines, write_secrets)
+                    teardown_lines, with_declared, write_secrets)
 
 log = logging.getLogger("gwenlake_hpc.launch.sweep")
 
@@ -48,8 +48,8 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
                  for _, c in configs}
     if len(launchers) > 1:
         raise ConfigError("a sweep is one job array: launcher.* must be the same for every task")
-    lc = configs[0][1].launcher
     plans = [plan(cfg) for _, cfg in configs]  # every task checked before anything is submitted
+    lc = with_declared(configs[0][1].launcher, plans[0].tf)  # @train(cpu=, memory=, gpu=...) under launcher.*
     runs_root = plans[0].runs_root
     folder = Path(lc.folder) if lc.get("folder") else runs_root / ".arrays" / time.strftime("%Y%m%d-%H%M%S")
     folder.mkdir(parents=True, exist_ok=True)

@@ -169,3 +169,13 @@ def fit_loader(data, output, run, config: Params):
 
 #: The same training set by epochs (3 epochs over the batches) instead of steps.
 fit_epochs = train(data=Input("t.rows"), output=Output("t.model"), epochs=3, eval_every=4)(fit.fn)
+
+
+@train(data=Input("t.rows"), output=Output("t.model"), steps=20, eval_every=10, name="declared", cpu="2",
+       memory="500Mi", gpu="1", env={"GWL_DECLARED": "from the decorator"}, secrets=["GWL_TEST_TOKEN"],
+       metadata={"team": "crm", "purpose": "resources test"}, max_retries=5)
+def fit_declared(data, output, run, config: Params):
+    """The same training with resources declared on the decorator (the SLURM launcher's defaults)."""
+    print(f"GWL_DECLARED={os.environ.get('GWL_DECLARED', 'unset')}", flush=True)
+    print(f"token present: {bool(os.environ.get('GWL_TEST_TOKEN'))}", flush=True)
+    return fit.fn(data, output, run, config)
