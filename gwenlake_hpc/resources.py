@@ -44,6 +44,20 @@ class Resources:
     metadata: Mapping[str, str] = field(default_factory=dict)
     max_retries: int | None = None
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data (the remote plan sends it back to the workstation)."""
+        return {"cpus": self.cpus, "mem_mib": self.mem_mib, "gpus": self.gpus, "gpu_type": self.gpu_type,
+                "env": dict(self.env), "secrets": list(self.secrets), "metadata": dict(self.metadata),
+                "max_retries": self.max_retries}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Resources":
+        """The inverse of :meth:`to_dict`."""
+        return cls(cpus=data.get("cpus"), mem_mib=data.get("mem_mib"), gpus=data.get("gpus"),
+                   gpu_type=data.get("gpu_type"), env=dict(data.get("env") or {}),
+                   secrets=tuple(data.get("secrets") or ()), metadata=dict(data.get("metadata") or {}),
+                   max_retries=data.get("max_retries"))
+
     @property
     def gres(self) -> str | None:
         """``gpu[:type]:N`` for ``--gres``, or None."""

@@ -41,7 +41,8 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from ..errors import EXIT_USAGE, ConfigError, GwenlakeError
-from .slurm import JOBS_INDEX, check_secrets, sbatch_parameters, setup_lines, teardown_lines
+from ..resources import Resources
+from .slurm import JOBS_INDEX, check_secrets, sbatch_parameters, setup_lines, teardown_lines, with_declared
 from .status import JobHandle
 from .ssh import RemoteCommandError, SshConnection, SshTarget, connection
 
@@ -412,6 +413,10 @@ def submit_remote(cfg: DictConfig, cluster_name: str, task_overrides: Sequence[s
             path_ovs.append(f"paths.model_repo={_remote_path(remote_dir, str(paths.model_repo))}")
         job_ovs = [*overrides, *path_ovs]
         facts = remote_plan(conn, cc, worktree, job_ovs)
+        if facts.get("resources"):  # @train(cpu=, memory=, gpu=, env=, secrets=...) under launcher.*
+            lc = with_declared(lc, Resources.from_dict(facts["resources"]))
+            check_secrets(lc)
+            sbatch_parameters(lc, job_name="check")
         run_dir = facts["run_dir"]
         if str(facts.get("tracking_uri") or "").startswith("sqlite"):
             log.warning("tracking.uri is SQLite on the cluster (%s): not safe for many concurrent jobs on a shared "
@@ -666,7 +671,8 @@ def _plan_main(overrides: list[str]) -> int:
         raise
     print(PLAN_MARK + json.dumps({"run_dir": str(p.run_dir), "model": p.model_name, "run_key": p.key,
                                   "target": p.tf.target, "runs_root": str(p.runs_root),
-                                  "tracking_uri": p.tracking_uri}), flush=True)
+                                  "tracking_uri": p.tracking_uri, "resources": p.tf.resources.to_dict()}),
+          flush=True)
     return 0
 
 

@@ -94,14 +94,14 @@ def max_retries(lc: Any) -> int:
     return DEFAULT_MAX_RETRIES if value is None else int(value)
 
 
-def with_declared(lc: Any, tf: Any) -> Any:
-    """A copy of the launcher config ``lc`` with the resources ``tf`` (a TrainFunction) declared on ``@train``
-    filled in where ``lc`` leaves them null: ``cpus_per_task``, ``mem_gb``, ``gres`` (unless ``gpus_per_node``
-    is set), ``max_retries``; ``env`` merged under ``launcher.env``; ``secrets`` added to ``launcher.secrets``.
-    The job config and the command line therefore override the decorator."""
+def with_declared(lc: Any, res: Any) -> Any:
+    """A copy of the launcher config ``lc`` with the resources ``res`` declared on ``@train`` (a
+    :class:`gwenlake_hpc.resources.Resources`, or None) filled in where ``lc`` leaves them null:
+    ``cpus_per_task``, ``mem_gb``, ``gres`` (unless ``gpus_per_node`` is set), ``max_retries``; ``env`` merged
+    under ``launcher.env``; ``secrets`` added to ``launcher.secrets``. The job config and the command line
+    therefore override the decorator."""
     from ..resources import launcher_defaults
 
-    res = getattr(tf, "resources", None)
     out = copy.deepcopy(lc)
     if res is None:
         return out
@@ -270,7 +270,7 @@ def submit(cfg: DictConfig) -> Submission | None:
 
     p = plan(cfg)
     cfg = copy.deepcopy(cfg)
-    cfg.launcher = with_declared(cfg.launcher, p.tf)  # @train(cpu=, memory=, gpu=...) under launcher.*
+    cfg.launcher = with_declared(cfg.launcher, p.tf.resources)  # @train(cpu=, memory=, gpu=...) under launcher.*
     lc = cfg.launcher
     if p.tracking_uri and is_sqlite(p.tracking_uri):
         log.warning("tracking.uri is SQLite (%s): SQLite on a shared filesystem is not safe for many concurrent "

@@ -49,7 +49,7 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
     if len(launchers) > 1:
         raise ConfigError("a sweep is one job array: launcher.* must be the same for every task")
     plans = [plan(cfg) for _, cfg in configs]  # every task checked before anything is submitted
-    lc = with_declared(configs[0][1].launcher, plans[0].tf)  # @train(cpu=, memory=, gpu=...) under launcher.*
+    lc = with_declared(configs[0][1].launcher, plans[0].tf.resources)  # @train(cpu=, memory=, gpu=...) under launcher.*
     runs_root = plans[0].runs_root
     folder = Path(lc.folder) if lc.get("folder") else runs_root / ".arrays" / time.strftime("%Y%m%d-%H%M%S")
     folder.mkdir(parents=True, exist_ok=True)
