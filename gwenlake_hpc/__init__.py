@@ -19,7 +19,7 @@ _EXPORTS = {
     "default_device": ".device",
     "CheckpointError": ".errors", "ConfigError": ".errors", "DataError": ".errors", "GwenlakeError": ".errors",
     "LoadedModel": ".registry", "load_model": ".registry",
-    "Run": ".run", "ShieldedWorkerInit": ".run",
+    "Run": ".run", "ShieldedWorkerInit": ".run", "log_metrics": ".run", "current_run": ".run",
     "load_state": ".checkpoint.state", "save_state": ".checkpoint.state",
     "log_custom_metric": ".tracking.custom_metrics",
 }

@@ -39,6 +39,7 @@ from .distributed import Dist
 from .distributed import setup as setup_distributed
 from .distributed import teardown as teardown_distributed
 from .run import Run, async_default, seed_everything
+from .run import active as active_run
 from .signals import StopRequest, shield_children
 from .tracking.custom_metrics import check_settings as check_statsd
 from .tracking.custom_metrics import configure as configure_statsd
@@ -581,7 +582,8 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
             while True:
                 kwargs["run"] = run
                 try:
-                    result = tf.fn(**kwargs)
+                    with active_run(run):  # gwenlake_hpc.log_metrics() and GWENLAKE_RUN_ID
+                        result = tf.fn(**kwargs)
                     run.wait_for_checkpoint()  # a background write that failed fails the job here
                     break
                 except DamagedFileError as exc:

@@ -27,9 +27,10 @@ import torch
 from .checkpoint import (BackgroundWriter, BufferPool, Checkpoint, CheckpointStore, PendingCheckpoint,
                          rank_state_name)
 from .distributed import Dist
-from .errors import CheckpointError, ConfigError, NonFiniteError
+from .errors import CheckpointError, ConfigError, GwenlakeError, NonFiniteError
 from .progress import Progress
 from .signals import StopRequest
+from .tracking.metric_tags import run_tag, tagged_series
 
 log = logging.getLogger("gwenlake_hpc.run")
 
@@ -239,6 +240,7 @@ class Run:
         self._checkpoint_step: int | None = None
         self._iterated = False
         self._summary: dict[str, float] = {}
+        self._tagged_series: set[str] = set()  # series whose tags are recorded on the MLflow run already
         self._progress: Progress | None = None
         self.checkpoint_async = async_default() if checkpoint_async is None else bool(checkpoint_async)
         if on_nonfinite not in ("stop", "warn"):
@@ -477,15 +479,32 @@ class Run:
         Args:
             metrics: name -> number (Python float/int, numpy scalar or one-element tensor; note that reading
                 a CUDA tensor synchronises the device).
-            step: the step the values belong to (default ``run.step``).
-            tags: qualifiers such as ``{"split": "test", "class": "churn"}``; they become part of the metric
-                name, sorted by tag name: ``auc/class=churn/split=test``.
+            step: the step the values belong to (default: the ``step`` or ``epoch`` tag, else ``run.step``).
+            tags: qualifiers from the vocabulary ``split``, ``class``, ``threshold``, ``optimizer``,
+                ``model_version`` (others warn once); each combination is a series of its own, named with the
+                tags sorted: ``auc/class:churn/split:test``, its tags also recorded as the run tag
+                ``gwenlake.metric_tags.<series>``. ``step``/``epoch`` give the x-axis instead (see
+                :mod:`gwenlake_hpc.tracking.metric_tags`).
+
+        Raises:
+            ValueError: a bad tag name, or a ``step``/``epoch`` tag that is not a whole number.
+            NonFiniteError: a NaN or infinite loss with ``job.on_nonfinite=stop``.
         """
-        step = self.step if step is None else int(step)
-        suffix = "".join(f"/{k}={v}" for k, v in sorted(tags.items())) if tags else ""
+        suffix_step = None
+        naming: dict[str, str] = {}
+        series_of = {k: k for k in metrics}
+        if tags:
+            for k in metrics:
+                series_of[k], suffix_step, naming = tagged_series(k, tags)
+            for k in metrics:
+                if series_of[k] not in self._tagged_series:
+                    self._tagged_series.add(series_of[k])
+                    if self.is_main:
+                        self.tracker.set_tags(dict([run_tag(series_of[k], naming)]))
+        step = int(step) if step is not None else suffix_step if suffix_step is not None else self.step
         values = {}
         for k, v in metrics.items():
-            values[f"{k}{suffix}"] = float(v.item() if hasattr(v, "item") else v)
+            values[series_of[k]] = float(v.item() if hasattr(v, "item") else v)
         for k, v in values.items():
             if not math.isfinite(v):
                 self._non_finite(k, v, step)
@@ -759,3 +778,42 @@ def async_default() -> bool:
     if raw in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"GWENLAKE_CHECKPOINT_ASYNC={raw!r}: use 1 (asynchronous checkpoints, the default) or 0")
+
+
+#: The Run whose training function is running in this process (set by the job around the call).
+_ACTIVE: Run | None = None
+
+
+@contextlib.contextmanager
+def active(run: Run) -> Iterator[Run]:
+    """Make ``run`` the current run while the training function runs (:func:`current_run`), and set
+    ``GWENLAKE_RUN_ID`` (the run key) for it and the processes it starts."""
+    global _ACTIVE
+    previous, _ACTIVE = _ACTIVE, run
+    os.environ["GWENLAKE_RUN_ID"] = run.run_key
+    try:
+        yield run
+    finally:
+        _ACTIVE = previous
+
+
+def current_run() -> Run:
+    """The Run of the training running in this process.
+
+    Raises:
+        GwenlakeError: no training runs here (a plain script, a notebook, a DataLoader worker process).
+    """
+    if _ACTIVE is None:
+        raise GwenlakeError("no training runs in this process: call this inside a @train function run by "
+                            "`python -m gwenlake_hpc +job=NAME` or `gwenlake-train` (or use its `run` argument)")
+    return _ACTIVE
+
+
+def log_metrics(metrics: Mapping[str, Any], tags: Mapping[str, Any] | None = None, step: int | None = None) -> None:
+    """``run.log(metrics, step=step, tags=tags)`` on the current run, for code that is not handed ``run``
+    (a metrics helper, a callback). See :meth:`Run.log` for tags and steps.
+
+    Raises:
+        GwenlakeError: outside a training (see :func:`current_run`); ValueError: bad tags.
+    """
+    current_run().log(metrics, step=step, tags=tags)

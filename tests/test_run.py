@@ -1,13 +1,14 @@
 """Run: step numbering, at_eval, eviction at step boundaries, resume with computed data position."""
 
 import logging
+import os
 
 import numpy as np
 import pytest
 import torch
 
 from gwenlake_hpc.data import Catalog
-from gwenlake_hpc.errors import ConfigError
+from gwenlake_hpc.errors import ConfigError, GwenlakeError
 from gwenlake_hpc.run import Run, seed_everything
 from gwenlake_hpc.signals import StopRequest
 
@@ -19,9 +20,13 @@ class Recorder:
 
     def __init__(self):
         self.points = []
+        self.tags = []
 
     def log_metrics(self, metrics, step):
         self.points.append((step, dict(metrics)))
+
+    def set_tags(self, tags):
+        self.tags.append(dict(tags))
 
 
 def make_run(tmp_path, stop=None, **kw):
@@ -141,8 +146,36 @@ def test_log_tags_and_summary(tmp_path):
     for step, _ in run.steps():
         run.log({"loss": torch.tensor(0.5 * step)})
     run.log({"auc": 0.8}, tags={"split": "test", "class": "churn"})
-    assert run.tracker.points[-1] == (2, {"auc/class=churn/split=test": 0.8})
+    assert run.tracker.points[-1] == (2, {"auc/class:churn/split:test": 0.8})
+    assert run.tracker.tags == [{"gwenlake.metric_tags.auc/class:churn/split:test": '{"class": "churn", "split": "test"}'}]
+    run.log({"auc": 0.9}, tags={"split": "test", "class": "churn"})
+    assert len(run.tracker.tags) == 1  # recorded once per series
     assert run.summary()["loss"] == 1.0 and run.summary()["step"] == 2.0
+
+
+def test_metric_tags_step_and_epoch_give_the_x_axis_and_odd_values_are_made_safe(tmp_path, caplog):
+    from gwenlake_hpc.run import active, current_run, log_metrics
+
+    run = make_run(tmp_path, steps=3)
+    for step, _ in run.steps():
+        run.log({"acc": 0.5}, tags={"threshold": 0.5, "epoch": step * 10})
+    tagged = [p for p in run.tracker.points if not any(k.startswith("time/") for k in p[1])]
+    assert tagged == [(10, {"acc/threshold:0.5": 0.5}), (20, {"acc/threshold:0.5": 0.5}), (30, {"acc/threshold:0.5": 0.5})]
+    run.log({"f1": 0.1}, tags={"epoch": 2, "step": 7, "model_version": "crm.churn@ab:c/d"})
+    assert run.tracker.points[-1] == (7, {"f1/model_version:crm.churn_ab_c_d": 0.1})  # step wins; ':' '/' '@' -> _
+    with caplog.at_level("WARNING", logger="gwenlake_hpc.tracking"):
+        run.log({"x": 1.0}, tags={"colour": "red"})
+        run.log({"x": 2.0}, tags={"colour": "blue"})
+    assert sum("'colour' is not one of" in r.getMessage() for r in caplog.records) == 1
+    for bad in ({"bad tag": 1}, {"epoch": "two"}, {"step": -1}, {"step": 1.5}):
+        with pytest.raises(ValueError, match="metric tag"):
+            run.log({"x": 1.0}, tags=bad)
+    with pytest.raises(GwenlakeError, match="no training runs in this process"):
+        log_metrics({"x": 1.0})
+    with active(run):
+        assert current_run() is run and os.environ["GWENLAKE_RUN_ID"] == "k"
+        log_metrics({"y": 3.0}, tags={"split": "val"}, step=2)
+    assert run.tracker.points[-1] == (2, {"y/split:val": 3.0})
 
 
 def test_progress_line_reports_rate_and_eta():

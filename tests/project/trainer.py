@@ -13,6 +13,7 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_OWN_HANDLER=k      at step k install a SIGTERM handler of its own (as profilers do) that appends a line
                               to ./own_handler_calls
   GWL_TEST_CUSTOM_METRIC=1    each step also sends the loss with gwenlake_hpc.log_custom_metric (tag split:train)
+  GWL_TEST_TAGGED=1           at each evaluation also log tagged metrics (gwenlake_hpc.log_metrics and run.log)
   GWL_TEST_EXTRA_MB=m[:k]     checkpoints carry an extra float32 tensor of m MiB (from step k on), filled with
                               the step (no RNG drawn, so the training is the same as without it)
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gwenlake_hpc import Input, Output, load_state, log_custom_metric, save_state, train
+from gwenlake_hpc import Input, Output, load_state, log_custom_metric, log_metrics, save_state, train
 
 
 @dataclass
@@ -65,6 +66,7 @@ def fit(data, output, run, config: Params):
     nan_at = int(os.environ.get("GWL_TEST_NAN_AT", "-1"))
     own_handler_at = int(os.environ.get("GWL_TEST_OWN_HANDLER", "-1"))
     custom = os.environ.get("GWL_TEST_CUSTOM_METRIC") == "1"
+    tagged = os.environ.get("GWL_TEST_TAGGED") == "1"
     for step, batch in run.steps(data.batches(config.batch_size, columns=columns)):
         loss = nn.functional.mse_loss(net(batch["x"]).squeeze(-1), batch["y"])
         if step == nan_at:
@@ -75,6 +77,10 @@ def fit(data, output, run, config: Params):
         run.log({"loss": loss.item()})
         if custom:
             log_custom_metric("loss", loss.item(), tags={"split": "train", "step": step})
+        if tagged and run.at_eval:
+            log_metrics({"mse": loss.item()}, tags={"split": "val", "class": "all"})
+            run.log({"acc": 0.5 + step / 1000}, tags={"threshold": 0.5, "epoch": step // 10})
+            run.log({"odd": 1.0}, tags={"colour": "red"})
         if step == 5 and os.environ.get("GWL_TEST_BAD") == "raise":
             raise RuntimeError("boom at step 5")
         if step == own_handler_at:
