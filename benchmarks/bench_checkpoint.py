@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from gwenlake_hpc import load_state, save_state
-from gwenlake_hpc.checkpoint import CheckpointStore
+from gwenlake_hpc.checkpoints import CheckpointStore
 from gwenlake_hpc.run import Run
 from gwenlake_hpc.signals import StopRequest
 from gwenlake_hpc.tracking import NullTracker

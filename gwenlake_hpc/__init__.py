@@ -20,7 +20,8 @@ _EXPORTS = {
     "CheckpointError": ".errors", "ConfigError": ".errors", "DataError": ".errors", "GwenlakeError": ".errors",
     "LoadedModel": ".registry", "load_model": ".registry",
     "Run": ".run", "ShieldedWorkerInit": ".run", "log_metrics": ".run", "current_run": ".run",
-    "load_state": ".checkpoint.state", "save_state": ".checkpoint.state",
+    "checkpoint": ".run", "last_checkpoint_path": ".run",
+    "load_state": ".checkpoints.state", "save_state": ".checkpoints.state",
     "log_custom_metric": ".tracking.custom_metrics",
 }
 

@@ -20,7 +20,7 @@ from .signals import ignore_from_now_on, install_early
 
 log = logging.getLogger("gwenlake_hpc.cli")
 
-SUBCOMMANDS = ("data", "tracking", "models", "status", "cancel", "logs", "report")
+SUBCOMMANDS = ("data", "tracking", "models", "status", "cancel", "logs", "report", "checkpoints")
 
 # MLflow configures its own loggers at import (INFO: "Creating initial MLflow database tables..."); its
 # environment variable is the one setting it reads at that moment.
@@ -65,6 +65,11 @@ def _subcommand_parser() -> argparse.ArgumentParser:
     from .registry import add_models_parser
 
     add_models_parser(sub)  # list, show, commit, promote, rollback, push, register
+    ck = sub.add_parser("checkpoints", help="named checkpoints of a model").add_subparsers(dest="action",
+                                                                                          required=True)
+    ckl = ck.add_parser("list", help="name, run, step, metadata, size and date of each named checkpoint")
+    ckl.add_argument("model", help="the model's name, e.g. crm.churn")
+    ckl.add_argument("--runs-root", default="runs", help="paths.runs_root (default ./runs)")
     rp = sub.add_parser("report", help="PNG of a run's metric curves with each restart marked")
     rp.add_argument("run_dir", help="the run directory (<runs_root>/<model>/<run key>)")
     rp.add_argument("--out", help="PNG path (default <run_dir>/report.png)")
@@ -107,6 +112,8 @@ def run_subcommand(argv: Sequence[str]) -> int:
                 for col, (dtype, shape) in ds.schema.items():
                     print(f"  {col}: {dtype} {list(shape)}")
             return 0
+        if args.command == "checkpoints":
+            return _list_named_checkpoints(Path(args.runs_root), args.model)
         if args.command == "report":
             from .report import report
 
@@ -149,6 +156,26 @@ def run_subcommand(argv: Sequence[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     return EXIT_USAGE
+
+
+def _list_named_checkpoints(runs_root: Path, model: str) -> int:
+    """``checkpoints list MODEL``: one line each, oldest first, ``*`` marking ``latest``."""
+    import datetime
+
+    from .api import check_name
+    from .checkpoints.named import list_named
+
+    check_name(model, "model")
+    items = list_named(runs_root / model)
+    if not items:
+        print(f"no named checkpoint of {model} in {runs_root / model / 'named'}")
+        return 0
+    print(f"{'':1} {'name':<24} {'run':<28} {'step':>9} {'size':>10}  {'date (UTC)':<19}  metadata")
+    for i in items:
+        date = datetime.datetime.fromtimestamp(float(i.get("time", 0)), datetime.timezone.utc)
+        print(f"{'*' if i['latest'] else ' '} {i['name']:<24} {i.get('run_key', '?'):<28} {i.get('step', 0):>9} "
+              f"{i['size']:>10}  {date:%Y-%m-%d %H:%M:%S}  {json.dumps(i.get('metadata') or {}, sort_keys=True)}")
+    return 0
 
 
 # --- Hydra jobs --------------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from .api import Input, Model, Output, TrainFunction
 from .data import Catalog
 from .errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, NonFiniteError
 from .fsutil import read_json, write_json_atomic
-from .checkpoint import CheckpointStore, DamagedFileError
+from .checkpoints import CheckpointStore, DamagedFileError
 from .distributed import Dist
 from .distributed import setup as setup_distributed
 from .distributed import teardown as teardown_distributed

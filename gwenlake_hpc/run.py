@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from .checkpoint import (BackgroundWriter, BufferPool, Checkpoint, CheckpointStore, PendingCheckpoint,
+from .checkpoints import (BackgroundWriter, BufferPool, Checkpoint, CheckpointStore, PendingCheckpoint,
                          rank_state_name)
 from .distributed import Dist
 from .errors import CheckpointError, ConfigError, GwenlakeError, NonFiniteError
@@ -817,3 +817,44 @@ def log_metrics(metrics: Mapping[str, Any], tags: Mapping[str, Any] | None = Non
         GwenlakeError: outside a training (see :func:`current_run`); ValueError: bad tags.
     """
     current_run().log(metrics, step=step, tags=tags)
+
+
+def checkpoint(model: Any, path: str | None = None, metadata: Mapping[str, Any] | None = None,
+               additional_files: Iterable[str | os.PathLike[str]] = ()) -> Path:
+    """Save ``model`` as a named checkpoint of the current run's model (see :mod:`gwenlake_hpc.checkpoints.named`).
+
+    Args:
+        model: an ``nn.Module`` (its state_dict) or a state_dict; stored as ``model.safetensors``.
+        path: the checkpoint's name (default: the run key); letters, digits, ``_ . -``.
+        metadata: JSON-able values kept in ``checkpoint.json`` with the run key and step.
+        additional_files: files copied beside the weights.
+
+    Returns:
+        The checkpoint's folder ``<runs_root>/<model name>/named/<path>/`` (on ranks other than 0, where
+        nothing is written, the folder rank 0 writes).
+
+    Raises:
+        GwenlakeError: outside a training (``GWENLAKE_RUN_ID`` unset); ConfigError: a bad name, metadata or file.
+    """
+    from .checkpoints.named import check_name, save_named, store_dir
+
+    run = current_run()
+    name = check_name(path or run.run_key)
+    if not run.is_main:
+        return store_dir(run.run_dir.parent) / name
+    dest = save_named(run.run_dir.parent, name, model, run_key=run.run_key, step=run.step, metadata=metadata,
+                      additional_files=additional_files)
+    log.info("named checkpoint %s saved at step %d: %s", name, run.step, dest)
+    return dest
+
+
+def last_checkpoint_path() -> Path | None:
+    """The folder of the newest named checkpoint of the current run's model (written by this run or any other
+    run of the model), or None when there is none yet.
+
+    Raises:
+        GwenlakeError: outside a training.
+    """
+    from .checkpoints.named import latest_path
+
+    return latest_path(current_run().run_dir.parent)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from gwenlake_hpc.checkpoint import MANIFEST, CheckpointStore
+from gwenlake_hpc.checkpoints import MANIFEST, CheckpointStore
 from gwenlake_hpc.errors import ConfigError
 
 

@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 
 from gwenlake_hpc import CheckpointError, load_state, save_state
-from gwenlake_hpc.checkpoint import MANIFEST, CheckpointFormatError, CheckpointStore, DamagedFileError
-from gwenlake_hpc.checkpoint import store as store_mod
-from gwenlake_hpc.checkpoint.tensorfile import read_tensors, write_tensors
+from gwenlake_hpc.checkpoints import MANIFEST, CheckpointFormatError, CheckpointStore, DamagedFileError
+from gwenlake_hpc.checkpoints import store as store_mod
+from gwenlake_hpc.checkpoints.tensorfile import read_tensors, write_tensors
 from gwenlake_hpc.run import Run
 from gwenlake_hpc.signals import StopRequest
 from gwenlake_hpc.tracking import NullTracker

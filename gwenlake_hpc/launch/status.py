@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint import CheckpointStore
+from ..checkpoints import CheckpointStore
 from ..errors import ConfigError, GwenlakeError
 from ..fsutil import read_json
 from .slurm import job_records

@@ -85,7 +85,7 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
 def _metrics(final: slurm_status.JobStatus) -> dict[str, float]:
     if final.checkpoint is None:
         return {}
-    from ..checkpoint import CheckpointStore
+    from ..checkpoints import CheckpointStore
 
     store = CheckpointStore(final.run_dir / "checkpoints", final.run_dir.name)
     best: dict[str, float] = {}

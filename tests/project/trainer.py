@@ -14,6 +14,7 @@ Test hooks come from environment variables, never from params, so they do not ch
                               to ./own_handler_calls
   GWL_TEST_CUSTOM_METRIC=1    each step also sends the loss with gwenlake_hpc.log_custom_metric (tag split:train)
   GWL_TEST_TAGGED=1           at each evaluation also log tagged metrics (gwenlake_hpc.log_metrics and run.log)
+  GWL_TEST_NAMED=NAME          print last_checkpoint_path() at the start; at the end save a named checkpoint NAME
   GWL_TEST_EXTRA_MB=m[:k]     checkpoints carry an extra float32 tensor of m MiB (from step k on), filled with
                               the step (no RNG drawn, so the training is the same as without it)
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import gwenlake_hpc
 from gwenlake_hpc import Input, Output, load_state, log_custom_metric, log_metrics, save_state, train
 
 
@@ -66,6 +68,9 @@ def fit(data, output, run, config: Params):
     nan_at = int(os.environ.get("GWL_TEST_NAN_AT", "-1"))
     own_handler_at = int(os.environ.get("GWL_TEST_OWN_HANDLER", "-1"))
     custom = os.environ.get("GWL_TEST_CUSTOM_METRIC") == "1"
+    named = os.environ.get("GWL_TEST_NAMED")
+    if named:
+        print(f"last named checkpoint: {gwenlake_hpc.last_checkpoint_path()}", flush=True)
     tagged = os.environ.get("GWL_TEST_TAGGED") == "1"
     for step, batch in run.steps(data.batches(config.batch_size, columns=columns)):
         loss = nn.functional.mse_loss(net(batch["x"]).squeeze(-1), batch["y"])
@@ -113,6 +118,10 @@ def fit(data, output, run, config: Params):
                 ck.metrics = {"train_loss": loss.item()}
     if run.evicted:
         return None
+    if named:
+        Path("notes.txt").write_text(f"run {run.run_key}\n")
+        gwenlake_hpc.checkpoint(model, path=named, metadata={"lr": config.lr, "seed": run.seed},
+                                additional_files=["notes.txt"])
     if os.environ.get("GWL_TEST_BAD") == "escape":
         output.file("../escaped.txt").write_text("must not happen")
     if os.environ.get("GWL_TEST_BAD") == "nooutput":

@@ -10,11 +10,11 @@ are fsynced, ``MANIFEST.json`` (each file's size and digest, the run key and the
 last, then the directory is renamed into place and the parent fsynced ("sealed"). A kill at any point leaves
 either the old set of complete checkpoints or the old set plus the new one; nothing is overwritten in place.
 
-Files that :func:`~gwenlake_hpc.checkpoint.state.save_state` writes into an open checkpoint are hashed while
+Files that :func:`~gwenlake_hpc.checkpoints.state.save_state` writes into an open checkpoint are hashed while
 they are written (the seal never re-reads them) and marked ``"verify": "on_load"``: a resume checks their
 size up front and their digest while ``load_state`` reads them. Every other file is hashed when the checkpoint
 is sealed and verified in full before a resume. In an asynchronous checkpoint ``save_state`` only takes a
-snapshot (:class:`~gwenlake_hpc.checkpoint.tensorfile.Snapshot`); :meth:`PendingCheckpoint.seal` writes it.
+snapshot (:class:`~gwenlake_hpc.checkpoints.tensorfile.Snapshot`); :meth:`PendingCheckpoint.seal` writes it.
 
 Manifest format 2 (this version) records ``digest`` (the algorithm, XXH3-128) and per file ``size`` and
 ``digest``; format 1 manifests (sha256) still load. A manifest or state file of a newer format is refused with
@@ -40,7 +40,7 @@ from ..fsutil import fsync_dir
 from .digest import DEFAULT_ALGORITHM, entry_digest, file_digest
 from .tensorfile import DamagedFileError, HostBuffer, Snapshot, write_tensors
 
-log = logging.getLogger("gwenlake_hpc.checkpoint")
+log = logging.getLogger("gwenlake_hpc.checkpoints")
 
 MANIFEST = "MANIFEST.json"
 PARTIAL_MARK = ".gwenlake-partial"

@@ -6,7 +6,7 @@ import logging
 import threading
 from typing import Any, Callable
 
-log = logging.getLogger("gwenlake_hpc.checkpoint")
+log = logging.getLogger("gwenlake_hpc.checkpoints")
 
 
 class BackgroundWriter:
