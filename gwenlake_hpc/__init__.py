@@ -18,7 +18,7 @@ _EXPORTS = {
     "train": ".api", "Input": ".api", "Output": ".api", "Model": ".api", "TrainFunction": ".api",
     "default_device": ".device",
     "CheckpointError": ".errors", "ConfigError": ".errors", "DataError": ".errors", "GwenlakeError": ".errors",
-    "LoadedModel": ".registry", "load_model": ".registry",
+    "LoadedModel": ".registry", "load_model": ".registry", "save_model": ".registry",
     "Run": ".run", "ShieldedWorkerInit": ".run", "log_metrics": ".run", "current_run": ".run",
     "checkpoint": ".run", "last_checkpoint_path": ".run",
     "load_state": ".checkpoints.state", "save_state": ".checkpoints.state",

@@ -16,7 +16,7 @@ import os
 import re
 import typing
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .errors import ConfigError, TrainDefinitionError
 from .resources import parse_resources
@@ -34,6 +34,35 @@ def check_name(name: str, what: str) -> str:
         raise ConfigError(f"{what} {name!r} is not a valid name: use 'group.name' "
                           "(letters, digits, '_' and '-', e.g. 'crm.churn-train')")
     return name
+
+
+def resolve_params(tf: "TrainFunction", params: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Check ``job.params`` against the function's config dataclass, if it has one.
+
+    Returns:
+        ``(config, plain)``: what the function receives (dataclass instance or dict) and a plain dict of every
+        hyperparameter with defaults filled in (it enters the run key and MLflow params).
+
+    Raises:
+        ConfigError: an unknown key or a value of the wrong type, naming ``job.params.<key>``.
+    """
+    if tf.config_type is None:
+        plain = dict(params)
+        return plain, plain
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(tf.config_type), dict(params))
+        plain = OmegaConf.to_container(merged, resolve=True, enum_to_str=True)
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+        msg = str(exc).splitlines()[0]
+        raise ConfigError(f"job.params{('.' + str(key)) if key else ''}: {msg} "
+                          f"(fields of {tf.config_type.__name__}: "
+                          f"{', '.join(f.name for f in dataclasses.fields(tf.config_type))})") from exc
+    return obj, plain  # type: ignore[return-value]
 
 
 class Input:
@@ -240,6 +269,21 @@ class TrainFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
+
+    def local(self, config: Any = None, **kwargs: Any) -> Any:
+        """Run this training in this process, for a quick try: no tracking, no commit, a temporary run
+        directory; returns what the function returned. ``fit.local(steps=50)`` is a smoke run.
+
+        Keyword arguments: ``steps``, ``epochs``, ``seed``, ``eval_every``, ``data_root`` (default ``data``),
+        ``run_dir`` (keep the run directory there), ``progress`` and bindings by name (see
+        :func:`gwenlake_hpc.local.run_local`).
+
+        Raises:
+            ConfigError: an unknown binding or bad setting; whatever the function raises.
+        """
+        from .local import run_local
+
+        return run_local(self, config, **kwargs)
 
     def submit(self, *overrides: str, job: str | None = None):
         """Submit this training to SLURM (``launcher=slurm``) and return a handle.

@@ -6,7 +6,6 @@ function -> commit of the Output (or, when evicted, nothing but a checkpoint and
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -30,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import __version__
-from .api import Input, Model, Output, TrainFunction
+from .api import Input, Model, Output, TrainFunction, resolve_params
 from .data import Catalog
 from .errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, NonFiniteError
 from .fsutil import read_json, write_json_atomic
@@ -120,32 +119,6 @@ def load_target(target: str) -> TrainFunction:
     if not isinstance(obj, TrainFunction):
         raise ConfigError(f"job.target={target!r} is not decorated with @gwenlake_hpc.train")
     return obj
-
-
-def resolve_params(tf: TrainFunction, params: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """Check ``job.params`` against the function's config dataclass, if it has one.
-
-    Returns:
-        ``(config, plain)``: what the function receives (dataclass instance or dict) and a plain dict of every
-        hyperparameter with defaults filled in (it enters the run key and MLflow params).
-
-    Raises:
-        ConfigError: an unknown key or a value of the wrong type, naming ``job.params.<key>``.
-    """
-    if tf.config_type is None:
-        plain = dict(params)
-        return plain, plain
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(tf.config_type), dict(params))
-        plain = OmegaConf.to_container(merged, resolve=True, enum_to_str=True)
-        obj = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
-        msg = str(exc).splitlines()[0]
-        raise ConfigError(f"job.params{('.' + str(key)) if key else ''}: {msg} "
-                          f"(fields of {tf.config_type.__name__}: "
-                          f"{', '.join(f.name for f in dataclasses.fields(tf.config_type))})") from exc
-    return obj, plain  # type: ignore[return-value]
 
 
 def make_run_key(model: str, run_name: str, params: Mapping[str, Any], seed: int,

@@ -749,16 +749,52 @@ def list_models(model_name: str, repo: Any = None) -> list[dict]:
     return out
 
 
+def save_model(directory: str | os.PathLike[str], name: str, *, message: str | None = None,
+               metrics: Mapping[str, float] | None = None, repo: Any = None) -> str:
+    """Commit the files of ``directory`` as a new version of model ``name`` (work done by hand, or the
+    ``run_dir=`` of a local run); returns the version (commit SHA). Same as ``models commit DIR NAME``.
+
+    Args:
+        directory: the model's files (every regular file under it, recursively).
+        name: ``group.name``.
+        message: the commit message (default: "committed by hand from DIR").
+        metrics: numbers stored as the version's ``metrics.json`` (the release gate compares them).
+        repo: the model repository (default: the git repository around the working directory, else
+            ``./models``, created).
+
+    No alias moves: promote it with ``models promote`` (through the release gate).
+
+    Raises:
+        ConfigError: a bad name, a directory that is missing or empty, a non-finite metric.
+    """
+    from .api import check_name
+    from .versioning import commit_model
+
+    check_name(name, "model")
+    src = Path(directory)
+    if not src.is_dir() or not any(p.is_file() for p in src.rglob("*")):
+        raise ConfigError(f"save_model: {src} is not a folder holding the model's files")
+    extra = {}
+    if metrics:
+        values = {str(k): float(v) for k, v in metrics.items()}
+        bad = sorted(k for k, v in values.items() if not math.isfinite(v))
+        if bad:
+            raise ConfigError(f"save_model: metrics {', '.join(bad)} are not finite numbers")
+        extra["metrics.json"] = (json.dumps(values, indent=2, sort_keys=True) + "\n").encode()
+    g_repo = repo if repo is not None and not isinstance(repo, (str, os.PathLike)) else \
+        open_model_repo(Path(repo) if repo is not None else default_model_repo(Path.cwd()), create=True)
+    return commit_model(g_repo, name, src, message=message or f"{name}: committed by hand from {src}",
+                        extra_files=extra or None)
+
+
 def models_command(args: Any) -> int:
     """``python -m gwenlake_hpc models ACTION ...`` (list, show, commit, promote, rollback, push, history);
     returns the exit status. Raises GwenlakeError for the CLI to print."""
-    from .versioning import commit_model, push_versions
+    from .versioning import push_versions
 
     repo_path = Path(args.repo) if getattr(args, "repo", None) else default_model_repo(Path.cwd())
     if args.action == "commit":
-        repo = open_model_repo(repo_path, create=True)
-        sha = commit_model(repo, args.name, Path(args.directory),
-                           message=args.message or f"{args.name}: committed by hand from {args.directory}")
+        sha = save_model(args.directory, args.name, message=args.message, repo=open_model_repo(repo_path, create=True))
         print(f"model {args.name} version {sha}")
         return 0
     repo = open_model_repo(repo_path, create=False)
