@@ -79,6 +79,11 @@ def fit(training_set, test_set, output, run, config: ChurnParams):
     if run.resumed:
         load_state(run.resume_path / "state.safetensors", model=model, optimizer=opt)
     loss_fn = nn.BCEWithLogitsLoss()
+    model_spec = json.dumps({
+        "architecture": "mlp", "n_features": n_features, "hidden": config.hidden, "dropout": config.dropout,
+        "feature_names": json.loads(training_set.attrs.get("feature_names", "[]")),
+        "inputs": {"features": "float32 [batch, %d]" % n_features}, "output": "churn logit float32 [batch]",
+    }, indent=2)
 
     for step, batch in run.steps(training_set.batches(config.batch_size, columns=["features", "churn"])):
         model.train()
@@ -90,6 +95,9 @@ def fit(training_set, test_set, output, run, config: ChurnParams):
         if run.at_eval:
             with run.checkpoint(keep=3) as ck:
                 save_state(ck.path("state.safetensors"), model=model, optimizer=opt)
+                # The files a version holds, too: any checkpoint can be promoted (`models promote --from-run`).
+                save_state(ck.path("model.safetensors"), model=model)
+                ck.path("model.json").write_text(model_spec)
                 if not run.stopping:  # skip a costly eval when evicted
                     ck.metrics = {"test_auc": evaluate(model, test_set, device)}
 
@@ -97,9 +105,5 @@ def fit(training_set, test_set, output, run, config: ChurnParams):
         return None
     auc = evaluate(model, test_set, device)
     save_state(output.file("model.safetensors"), model=model)
-    output.file("model.json").write_text(json.dumps({
-        "architecture": "mlp", "n_features": n_features, "hidden": config.hidden, "dropout": config.dropout,
-        "feature_names": json.loads(training_set.attrs.get("feature_names", "[]")),
-        "inputs": {"features": "float32 [batch, %d]" % n_features}, "output": "churn logit float32 [batch]",
-    }, indent=2))
+    output.file("model.json").write_text(model_spec)
     return {"test_auc": auc}

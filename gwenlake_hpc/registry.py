@@ -843,9 +843,15 @@ def models_command(args: Any) -> int:
         print(f"registered {args.name} version {m.version} as MLflow model version {number}")
         return 0
     if args.action == "promote":
-        from .release import promote
+        from .release import find_run_dir, promote, version_from_run
 
-        return promote(args.name, args.version, args.alias, repo=repo, reason=args.reason or "",
+        version = args.version
+        if args.criterion and not args.from_run:
+            raise ConfigError("--criterion picks among a run's checkpoints: give --from-run RUN with it")
+        if args.from_run:
+            run_dir = find_run_dir(Path(args.runs_root), args.name, args.from_run)
+            version = version_from_run(args.name, run_dir, args.criterion, repo=repo)
+        return promote(args.name, version, args.alias, repo=repo, reason=args.reason or "",
                        config=args.config, data_root=Path(args.data_root), tracking_uri=uri, force=False)
     if args.action == "rollback":
         current, previous = rollback_target(args.name, args.alias, repo)
@@ -881,7 +887,12 @@ def add_models_parser(sub: Any) -> None:
     common(cm)
     cm.add_argument("-m", "--message", default=None)
     pr = common(models.add_parser("promote", help="run the release gate, then move an alias to a version"))
-    pr.add_argument("--version", required=True, help="commit SHA of the version to promote")
+    which = pr.add_mutually_exclusive_group(required=True)
+    which.add_argument("--version", help="commit SHA of the version to promote")
+    which.add_argument("--from-run", help="a run (run key or MLflow run id): its own version, or with --criterion "
+                                          "the best of its checkpoints (committed as a version first)")
+    pr.add_argument("--criterion", help="with --from-run: max:METRIC or min:METRIC over the checkpoints' metrics")
+    pr.add_argument("--runs-root", default="runs", help="paths.runs_root holding the run (default ./runs)")
     pr.add_argument("--alias", default=CHAMPION, help="alias to move (default champion)")
     pr.add_argument("--reason", help="why (recorded in the alias log)")
     pr.add_argument("--config", help="release config: a YAML path or a name in conf/release/ (default: the one "

@@ -323,3 +323,118 @@ def promote(model_name: str, version: str, alias: str, *, repo: Any = None, reas
     out(f"promoted: alias {alias} of {model_name} -> {candidate.version} (was "
         f"{incumbent.version if incumbent else 'unset'})")
     return 0
+
+
+# --- promotion from a run ---------------------------------------------------------------------------------------
+
+#: Files of a checkpoint that are gwenlake_hpc's own bookkeeping, not part of a version.
+_CHECKPOINT_BOOKKEEPING = ("MANIFEST.json", "gwenlake-run-state.json", ".ranks")
+
+
+def find_run_dir(runs_root: Path, model_name: str, run: str) -> Path:
+    """The run directory of ``run``: a run key (``<runs_root>/<model>/<run>``) or an MLflow run id (the one in
+    a run directory's ``tracking*/run_id``).
+
+    Raises:
+        ConfigError: no such run of ``model_name`` under ``runs_root`` (what was looked at is named).
+    """
+    from .api import check_name
+
+    check_name(model_name, "model")
+    model_root = Path(runs_root) / model_name
+    if run and "/" not in run and run not in (".", "..") and (model_root / run / "run.json").is_file():
+        return model_root / run
+    for run_id_file in sorted(model_root.glob("*/tracking*/run_id")):
+        try:
+            if run_id_file.read_text().strip() == run:
+                return run_id_file.parent.parent
+        except OSError:
+            continue
+    raise ConfigError(f"--from-run {run!r}: no run of {model_name} under {model_root} has this run key or MLflow "
+                      "run id (run keys are the folder names there; `python -m gwenlake_hpc status` lists them)")
+
+
+def parse_criterion(text: str) -> tuple[str, str]:
+    """``"max:test_auc"`` -> ("max", "test_auc").
+
+    Raises:
+        ConfigError: not ``max:METRIC`` or ``min:METRIC``.
+    """
+    how, _, metric = str(text).partition(":")
+    if how not in ("max", "min") or not metric.strip():
+        raise ConfigError(f"--criterion {text!r}: use max:METRIC or min:METRIC (a metric the run's checkpoints "
+                          "recorded with ck.metrics, e.g. max:test_auc)")
+    return how, metric.strip()
+
+
+def version_from_run(model_name: str, run_dir: Path, criterion: str | None = None, *, repo: Any = None,
+                     out: Callable[[str], Any] = print) -> str:
+    """The version to promote from a run: without ``criterion`` the run's own (its last committed one); with
+    ``max:METRIC``/``min:METRIC`` the best of its intact checkpoints by the metric in their manifests,
+    committed as a version first if it is not one yet (lineage names the run, the step and the checkpoint's
+    metrics; the run's serving entry point and code are carried over from its own version when it has one).
+
+    Raises:
+        ConfigError: the run has no committed version (and no criterion), no checkpoint records the metric, or
+            the chosen checkpoint is damaged.
+    """
+    import json
+    import shutil
+    import tempfile
+
+    from .checkpoints import CheckpointStore
+    from .fsutil import read_json
+    from .versioning import commit_model, find_run_version, open_model_repo, default_model_repo, read_file
+
+    info = read_json(run_dir / "run.json", default=None) or {}
+    key = run_dir.name
+    if criterion is None:
+        done = info.get("completions") or ([info["completed"]] if info.get("completed") else [])
+        versions = [c.get("version") for c in done if c and c.get("version")]
+        if not versions:
+            raise ConfigError(f"run {key} of {model_name} has no committed version yet: let it finish, or pick one "
+                              "of its checkpoints with --criterion max:METRIC")
+        out(f"run {key}: its own version {versions[-1]}")
+        return str(versions[-1])
+    how, metric = parse_criterion(criterion)
+    store = CheckpointStore(run_dir / "checkpoints", key)
+    scored = [ck for ck in store.complete() if metric in ck.metrics]
+    if not scored:
+        seen = sorted({m for ck in store.complete() for m in ck.metrics})
+        raise ConfigError(f"no checkpoint of run {key} recorded {metric!r} (recorded: {', '.join(seen) or 'none'}); "
+                          "give --criterion with one of those")
+    # The best value; among equals the latest step (the most trained).
+    best = max(scored, key=lambda ck: ((ck.metrics[metric] if how == "max" else -ck.metrics[metric]), ck.step))
+    problem = store.verify(best, full=True)
+    if problem is not None:
+        raise ConfigError(f"checkpoint {best.path} is damaged ({problem}): it cannot become a version")
+    out(f"run {key}: checkpoint step {best.step} has the {how} {metric} = {best.metrics[metric]:.6g} "
+        f"(of {len(scored)} checkpoints)")
+    g_repo = repo if repo is not None and not isinstance(repo, (str, Path)) else \
+        open_model_repo(Path(repo) if repo is not None else default_model_repo(Path.cwd()), create=True)
+    ref = f"{key}/{info.get('uid', '')}@{best.step}"
+    existing = find_run_version(g_repo, model_name, ref)
+    if existing is not None:
+        out(f"checkpoint step {best.step} of run {key} is version {existing} already")
+        return existing
+    lineage: dict[str, Any] = {}
+    own = [c.get("version") for c in (info.get("completions") or []) if c.get("version")]
+    if own:
+        try:
+            lineage = json.loads(read_file(g_repo, model_name, own[-1], "lineage.json"))
+        except (ConfigError, ValueError):
+            lineage = {}
+    lineage.update({"model": model_name, "run_key": key, "final_step": best.step,
+                    "from_checkpoint": {"step": best.step, "path": str(best.path), "metrics": best.metrics,
+                                        "chosen_by": f"{how}:{metric}"}})
+    with tempfile.TemporaryDirectory(prefix="gwenlake-promote-") as tmp:
+        files = Path(tmp) / "files"
+        shutil.copytree(best.path, files, ignore=lambda d, names: [n for n in names if n in _CHECKPOINT_BOOKKEEPING])
+        version = commit_model(
+            g_repo, model_name, files, run=ref,
+            message=f"{model_name}: checkpoint step {best.step} of run {key} ({how} {metric} = "
+                    f"{best.metrics[metric]:.6g})\n\n" + "".join(f"{k}: {v:.6g}\n" for k, v in sorted(best.metrics.items())),
+            extra_files={"metrics.json": (json.dumps(best.metrics, indent=2, sort_keys=True) + "\n").encode(),
+                         "lineage.json": (json.dumps(lineage, indent=2, sort_keys=True, default=str) + "\n").encode()})
+    out(f"committed checkpoint step {best.step} of run {key} as {model_name} version {version}")
+    return version

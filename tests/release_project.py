@@ -53,6 +53,22 @@ def fit(data, output, run, config: P):
     return {"train_auc": roc_auc_score(full["label"], full["x"] @ w)}
 
 
+@train(data=Input("t.cls-train"), output=Output("t.scorer", predict="scorer:predict", inputs=["x"]),
+       steps=6, eval_every=2)
+def fit_ckpt(data, output, run):
+    """Checkpoints a promotion can pick: each holds w.npy, closer to TRUE_W at each one, and its train_auc."""
+    full = data.read(["x", "label"])
+    direction = np.random.default_rng(1).normal(size=4)
+    for step, batch in run.steps(data.batches(50, columns=["x"])):
+        w = (TRUE_W + (2.0 / step) * direction).astype(np.float32)
+        if run.at_eval:
+            with run.checkpoint(keep=3) as ck:
+                np.save(ck.path("w.npy"), w)
+                ck.metrics = {"train_auc": float(roc_auc_score(full["label"], full["x"] @ w))}
+    np.save(output.file("w.npy"), w)
+    return {"train_auc": float(roc_auc_score(full["label"], full["x"] @ w))}
+
+
 def predict(model_dir, batch):
     """scores float64 [n] = x float32 [n, 4] @ w"""
     return batch["x"].astype(np.float64) @ np.load(Path(model_dir) / "w.npy")

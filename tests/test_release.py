@@ -158,3 +158,46 @@ def test_done_when_churn_trained_twice_listed_loaded_promoted_refused_rolled_bac
     listed = p.run("models", "list", "crm.churn", "--history", check=0).stdout
     print(listed)
     assert re.search(rf"{worse}  \S+  \[champion\]", listed)
+
+
+@pytest.mark.slow
+def test_promote_from_a_run_its_own_version_or_its_best_checkpoint_through_the_gate(tmp_path):
+    from gwenlake_hpc.checkpoints import CheckpointStore
+
+    p = make_scorer_project(tmp_path / "project")
+    own, _ = train(p, "scorer:fit_ckpt")
+    run_dir = next((p.root / "runs" / "t.scorer").iterdir())
+    key, run_id = run_dir.name, (run_dir / "tracking" / "run_id").read_text().strip()
+
+    first = p.run("models", "promote", "t.scorer", "--from-run", key, "--alias", "champion")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert f"run {key}: its own version {own}" in first.stdout and current_aliases("t.scorer", p.root)["champion"] == own
+
+    recorded = {ck.step: ck.metrics["train_auc"] for ck in CheckpointStore(run_dir / "checkpoints", key).complete()}
+    worst = min(recorded, key=lambda s: (recorded[s], s))
+    picked = p.run("models", "promote", "t.scorer", "--from-run", run_id, "--criterion", "min:train_auc",
+                   "--alias", "staging")
+    assert picked.returncode == 0, picked.stdout + picked.stderr
+    assert f"checkpoint step {worst} has the min train_auc" in picked.stdout
+    version = re.search(r"as t.scorer version ([0-9a-f]{40})", picked.stdout).group(1)
+    assert version != own and current_aliases("t.scorer", p.root)["staging"] == version
+    m = load_model("t.scorer", version, repo=p.root)
+    assert m.metrics == {"train_auc": recorded[worst]}
+    assert m.lineage["from_checkpoint"]["step"] == worst and m.lineage["run_key"] == key
+    assert m.lineage["serving"]["predict"] == "scorer:predict"  # carried over: the gate could score it
+    assert np.array_equal(np.load(m.path / "w.npy"), np.load(run_dir / "checkpoints" / f"step-{worst:09d}" / "w.npy"))
+    assert not (m.path / "MANIFEST.json").exists() and not (m.path / "gwenlake-run-state.json").exists()
+
+    again = p.run("models", "promote", "t.scorer", "--from-run", key, "--criterion", "min:train_auc",
+                  "--alias", "staging", check=0)
+    assert f"is version {version} already" in again.stdout and "already holds alias staging" in again.stdout
+    from gwenlake_hpc.versioning import list_versions
+
+    assert len(list_versions(p.root, "t.scorer")) == 2  # no second commit of that checkpoint
+
+    for args, needle in ((["--from-run", key, "--criterion", "max:nope"], "recorded: train_auc"),
+                         (["--from-run", "nope"], "no run of t.scorer"),
+                         (["--version", own, "--criterion", "max:train_auc"], "give --from-run"),
+                         (["--from-run", key, "--criterion", "best"], "use max:METRIC or min:METRIC")):
+        bad = p.run("models", "promote", "t.scorer", *args, "--alias", "x")
+        assert bad.returncode == 2 and needle in bad.stderr, (args, bad.stdout + bad.stderr)
