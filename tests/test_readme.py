@@ -46,3 +46,14 @@ def test_readme_main_job_in_clean_venv(tmp_path):
     assert metrics["test_auc"] >= 0.82
     assert git(clean, "rev-parse", "models/crm.churn") == version
     assert (clean / ".venv" / "bin" / "python").exists()
+
+    # The short fit of the README, a second job: trees on the same split, a version of the same model.
+    short = readme_command("The same data as a short fit")
+    assert "+job=churn_short" in short
+    proc = subprocess.run(["bash", "-c", short], cwd=clean, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trees = proc.stdout.strip().splitlines()[-1].split()[-1]
+    tree_metrics = json.loads(git(clean, "show", f"{trees}:crm/churn/metrics.json"))
+    print(f"churn test_auc: MLP {metrics['test_auc']:.4f}, gradient-boosted trees {tree_metrics['test_auc']:.4f}")
+    assert tree_metrics["test_auc"] >= 0.82 and git(clean, "rev-parse", "models/crm.churn") == trees
+    assert "model.joblib" in git(clean, "ls-tree", "--name-only", trees, "crm/churn/")

@@ -498,3 +498,20 @@ def test_resources_declared_on_train_reach_the_job(project):
     run = one_point_per_step(project, 20)
     assert run.data.tags["team"] == "crm" and run.data.tags["purpose"] == "resources test"
     assert "s3cr3t-value" not in str(run.data.params) + str(run.data.tags)
+
+
+def test_a_sweep_of_short_fits_is_one_job_array_of_versions(project):
+    """A short fit (gwenlake_hpc.transforms) through launcher=slurm and a sweep: one job array, every task a
+    version with its own metrics."""
+    proc = project.run("-m", "job.target=trainer.py:short", "launcher=slurm", "launcher.timeout_min=5",
+                       "launcher.partition=high", "+job.params.lr=0.1,0.2", check=0, timeout=600)
+    m = re.search(r"submitted job array (\d+) \(2 tasks, one sbatch\)", proc.stdout)
+    assert m, proc.stdout + proc.stderr
+    assert [finish(f"{m.group(1)}_{i}") for i in range(2)] == ["COMPLETED", "COMPLETED"]
+    from gwenlake_hpc.versioning import list_versions
+
+    versions = list_versions(project.root, "t.model")
+    assert len(versions) == 2 and all("mse" in v["metrics"] for v in versions)
+    lrs = sorted(json.loads(project.git("show", f"{v['version']}:t/model/lineage.json"))["config"]["params"]["lr"]
+                 for v in versions)
+    assert lrs == [0.1, 0.2]

@@ -27,10 +27,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 import gwenlake_hpc
+from gwenlake_hpc.transforms import train as train_short
 from gwenlake_hpc import Input, Output, load_state, log_custom_metric, log_metrics, save_state, train
 
 
@@ -194,3 +196,13 @@ def fit_declared(data, output, run, config: Params):
     print(f"GWL_DECLARED={os.environ.get('GWL_DECLARED', 'unset')}", flush=True)
     print(f"token present: {bool(os.environ.get('GWL_TEST_TOKEN'))}", flush=True)
     return fit.fn(data, output, run, config)
+
+
+@train_short(data=Input("t.rows"), output=Output("t.model"))
+def short(data, output, config: Params):
+    """A short fit: least squares on the DataFrame (x_0..x_3 from the [rows, 4] column x)."""
+    x = data[[f"x_{i}" for i in range(4)]].to_numpy()
+    w, *_ = np.linalg.lstsq(x, data["y"].to_numpy(), rcond=None)
+    np.save(output.file("w.npy"), w)
+    print(f"short fit: {len(data)} rows, columns {list(data.columns)}, lr {config.lr}", flush=True)
+    return {"mse": float(np.mean((x @ w - data["y"].to_numpy()) ** 2))}

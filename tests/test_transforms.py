@@ -1,0 +1,73 @@
+"""Short fits (gwenlake_hpc.transforms): DataFrames in, a version out, through the same job as a long training."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from mlflow import MlflowClient
+
+from gwenlake_hpc.data import Catalog
+from gwenlake_hpc.errors import TrainDefinitionError
+from gwenlake_hpc.transforms import Input, Output, to_frame, train
+
+
+def test_to_frame_flattens_wide_columns_and_keeps_strings(tmp_path):
+    catalog = Catalog(tmp_path)
+    catalog.write("g.d", {"x": np.arange(6, dtype=np.float32).reshape(3, 2), "s": np.array(["a", "b", "c"]),
+                          "y": np.array([1, 0, 1], dtype=np.int64)})
+    with catalog.open("g.d") as ds:
+        frame = to_frame(ds)
+    assert list(frame.columns) == ["x_0", "x_1", "s", "y"]
+    assert frame["x_1"].tolist() == [1.0, 3.0, 5.0] and frame["s"].tolist() == ["a", "b", "c"]
+    assert frame["y"].tolist() == [1, 0, 1]
+    with catalog.open("g.d") as ds:
+        try:
+            import polars  # noqa: F401
+        except ImportError:
+            with pytest.raises(TrainDefinitionError, match="pip install polars"):
+                to_frame(ds, polars=True)
+        else:
+            assert type(to_frame(ds, polars=True)).__name__ == "DataFrame"
+
+
+@pytest.mark.parametrize("kwargs, fn, needle", [
+    ({"steps": 10}, lambda data, output: None, "a short fit has no loop"),
+    ({}, lambda data, output, run: None, "a short fit has no `run`"),
+    ({"bogus": 1}, lambda data, output: None, "not a binding"),
+    ({"memory": "32 GB"}, lambda data, output: None, "memory='32 GB'"),
+    ({}, lambda output: None, "no parameter for data"),
+])
+def test_bad_short_fits_fail_at_decoration(kwargs, fn, needle):
+    with pytest.raises(TrainDefinitionError, match=needle.replace("(", r"\(")):
+        train(data=Input("t.rows"), output=Output("t.model"), **kwargs)(fn)
+
+
+def test_a_short_fit_is_a_version_with_its_mlflow_run_and_runs_locally(project):
+    done = project.run("job.target=trainer.py:short", "+job.params.lr=0.5", check=0)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "short fit: 200 rows, columns ['x_0', 'x_1', 'x_2', 'x_3', 'y'], lr 0.5" in out
+    version = done.stdout.strip().splitlines()[-1].split()[-1]
+    metrics = json.loads(project.git("show", f"{version}:t/model/metrics.json"))
+    lineage = json.loads(project.git("show", f"{version}:t/model/lineage.json"))
+    assert metrics["mse"] < 0.05 and lineage["final_step"] == 1 and lineage["target"].endswith(":short")
+    assert "t/model/w.npy" in project.git("ls-tree", "-r", "--name-only", version)
+    client = MlflowClient(tracking_uri=f"sqlite:///{project.root / 'runs' / 'mlflow.db'}")
+    run_dir = next((project.root / "runs" / "t.model").iterdir())
+    run = client.get_run((run_dir / "tracking" / "run_id").read_text().strip())
+    assert run.info.status == "FINISHED" and run.data.metrics["mse"] == metrics["mse"]
+    assert run.data.params["params.lr"] == "0.5"
+    again = project.run("job.target=trainer.py:short", "+job.params.lr=0.5", check=0)
+    assert again.stdout.strip().splitlines()[-1].split()[-1] == version  # finished: nothing trained twice
+
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("trainer_short_local", project.root / "trainer.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    local = module.short.local(data_root=project.root / "data")
+    assert local["mse"] == pytest.approx(metrics["mse"])
