@@ -318,6 +318,29 @@ class TrainFunction:
         return f"<training {self.target} -> {self.output.name}>"
 
 
+def split_train_kwargs(kwargs: Mapping[str, Any], settings: tuple[str, ...] = tuple(DEFAULTS),
+                       refused: Mapping[str, str] | None = None) -> tuple[dict[str, Binding], dict[str, Any]]:
+    """Split ``@train`` keyword arguments into bindings (Input/Output/Model) and settings over :data:`DEFAULTS`.
+
+    Raises:
+        TrainDefinitionError: a keyword in ``refused`` (its message says why), or neither a binding nor one of
+            ``settings``.
+    """
+    bindings: dict[str, Binding] = {}
+    defaults = dict(DEFAULTS)
+    for key, value in kwargs.items():
+        if isinstance(value, (Input, Output, Model)):
+            bindings[key] = value
+        elif refused and key in refused:
+            raise TrainDefinitionError(f"@train {key}={value!r}: {refused[key]}")
+        elif key in settings:
+            defaults[key] = value
+        else:
+            raise TrainDefinitionError(f"@train got {key}={value!r}: not a binding (Input/Output/Model) nor a "
+                                       f"setting ({', '.join(settings)})")
+    return bindings, defaults
+
+
 def train(*, prepare: Callable[..., Any] | None = None, **kwargs: Any) -> Callable[[Callable[..., Any]], TrainFunction]:
     """Declare a training function.
 
@@ -340,16 +363,7 @@ def train(*, prepare: Callable[..., Any] | None = None, **kwargs: Any) -> Callab
     Raises:
         TypeError: an unknown keyword, a binding without a parameter, not exactly one Output.
     """
-    bindings: dict[str, Binding] = {}
-    defaults = dict(DEFAULTS)
-    for key, value in kwargs.items():
-        if isinstance(value, (Input, Output, Model)):
-            bindings[key] = value
-        elif key in DEFAULTS:
-            defaults[key] = value
-        else:
-            raise TrainDefinitionError(f"@train got {key}={value!r}: not a binding (Input/Output/Model) nor a setting "
-                            f"({', '.join(DEFAULTS)})")
+    bindings, defaults = split_train_kwargs(kwargs)
 
     def decorate(fn: Callable[..., Any]) -> TrainFunction:
         tf = TrainFunction(fn, bindings, defaults, prepare)

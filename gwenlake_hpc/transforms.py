@@ -26,7 +26,7 @@ import inspect
 import typing
 from typing import Any, Callable
 
-from .api import DEFAULTS, REGISTRY, Input, Model, Output, TrainFunction
+from .api import DEFAULTS, REGISTRY, Input, Model, Output, TrainFunction, split_train_kwargs
 from .errors import TrainDefinitionError
 from .resources import parse_resources
 
@@ -135,19 +135,9 @@ def train(*, prepare: Callable[..., Any] | None = None, **kwargs: Any) -> Callab
         TrainDefinitionError: an unknown keyword, a loop setting, a binding without a parameter, a ``run``
             parameter, not exactly one Output, a bad declared resource.
     """
-    bindings: dict[str, Any] = {}
-    defaults = dict(DEFAULTS)
-    for key, value in kwargs.items():
-        if isinstance(value, (Input, Output, Model)):
-            bindings[key] = value
-        elif key in _LOOP_SETTINGS:
-            raise TrainDefinitionError(f"@train {key}={value!r}: a short fit has no loop; use gwenlake_hpc.train "
-                                       "for a training of many steps")
-        elif key in DEFAULTS:
-            defaults[key] = value
-        else:
-            raise TrainDefinitionError(f"@train got {key}={value!r}: not a binding (Input/Output/Model) nor a setting "
-                                       f"({', '.join(k for k in DEFAULTS if k not in _LOOP_SETTINGS)})")
+    no_loop = "a short fit has no loop; use gwenlake_hpc.train for a training of many steps"
+    bindings, defaults = split_train_kwargs(kwargs, tuple(k for k in DEFAULTS if k not in _LOOP_SETTINGS),
+                                            refused=dict.fromkeys(_LOOP_SETTINGS, no_loop))
     defaults.update(steps=1, epochs=None, eval_every=1)
     parse_resources(defaults)  # declared resources checked here too, at import
 

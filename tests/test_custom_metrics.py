@@ -122,6 +122,7 @@ def test_a_job_sends_one_gauge_per_step_equal_to_the_tracked_loss(project):
         done.set()
         t.join(10)
         sock.close()
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = [line for d in got for line in parse(d)]
     assert {name for name, *_ in lines} == {"ci.custom_metrics.loss"}
     sent = {int(tags["step"]): value for _, value, _, tags in lines}
