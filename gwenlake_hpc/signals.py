@@ -198,9 +198,14 @@ def _describe(handler: object) -> str:
     return f"{mod}.{getattr(handler, '__qualname__', type(handler).__name__)}"
 
 
+#: What SLURM sends to every process of a job step: preemption and scancel (SIGTERM), the time-limit warning
+#: (SIGUSR2). Not SIGINT: a Ctrl-C in a terminal must still interrupt a long git or git-lfs command at once.
+SLURM_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+
+
 @contextlib.contextmanager
-def shield_children(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[None]:
-    """Block the stop signals in this thread while the block runs; processes it starts inherit them blocked.
+def shield_children(signals: tuple[int, ...] = SLURM_SIGNALS) -> Iterator[None]:
+    """Block SLURM's stop signals in this thread while the block runs; processes it starts inherit them blocked.
 
     SLURM sends the time-limit warning (SIGUSR2) and SIGTERM to every process of the job step. A ``git``
     child of the final commit would die from them ("git write-tree failed (exit -12)") and fail a training
