@@ -20,7 +20,7 @@ _EXPORTS = {
     "CheckpointError": ".errors", "ConfigError": ".errors", "DataError": ".errors", "GwenlakeError": ".errors",
     "LoadedModel": ".registry", "load_model": ".registry", "save_model": ".registry",
     "Run": ".run", "ShieldedWorkerInit": ".run", "log_metrics": ".run", "current_run": ".run",
-    "checkpoint": ".run", "last_checkpoint_path": ".run",
+    "checkpoint": ".run", "last_checkpoint_path": ".run", "log_rollout": ".run",
     "load_state": ".checkpoints.state", "save_state": ".checkpoints.state",
     "log_custom_metric": ".tracking.custom_metrics",
 }

@@ -858,3 +858,33 @@ def last_checkpoint_path() -> Path | None:
     from .checkpoints.named import latest_path
 
     return latest_path(current_run().run_dir.parent)
+
+
+def log_rollout(messages: Any, reward: float | None = None, step: int | None = None, task_id: str | None = None,
+                metrics: Mapping[str, Any] | None = None, rollout_id: str | None = None) -> str:
+    """Record one RL episode as an MLflow trace of the current run (see :mod:`gwenlake_hpc.tracking.rollouts`).
+
+    Args:
+        messages: the conversation in the OpenAI chat format (``role``, ``content``, ``tool_calls``,
+            ``tool_call_id``), checked here.
+        reward: the episode's reward (a finite number), or None.
+        step: the training step it belongs to (default ``run.step``).
+        task_id: the task or prompt id, recorded as the tag ``gwenlake.task_id``.
+        metrics: further numbers attached to the trace.
+        rollout_id: 32 lowercase hex characters (default: drawn); a rollout logged again with the same id after a
+            restart is not created twice.
+
+    Returns:
+        The rollout id (the trace's ``gwenlake.rollout_id`` tag).
+
+    Raises:
+        GwenlakeError: outside a training; ValueError: bad messages, reward, metrics or id (nothing recorded).
+    """
+    from .tracking.rollouts import rollout_entry
+
+    run = current_run()
+    entry = rollout_entry(messages, reward=reward, step=run.step if step is None else int(step), task_id=task_id,
+                          metrics=metrics, rollout_id=rollout_id)
+    if run.is_main:
+        run.tracker.log_rollout(entry)
+    return str(entry["rollout"]["id"])

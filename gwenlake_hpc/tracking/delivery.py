@@ -196,7 +196,10 @@ class Deliverer:
                 if points:
                     session.log_points(points)
                     points = []
-                session.log_tags(entry["tags"])
+                if "rollout" in entry:
+                    session.log_rollout(entry["rollout"])
+                else:
+                    session.log_tags(entry["tags"])
             else:
                 points.append(entry)
         if points:

@@ -110,6 +110,7 @@ class RunSession:
         self.delivered = 0  # points stored by this session
         self.rejected: set[str] = set()  # keys the server refused (bad name): dropped
         self._refusal = ""  # MLflow's reason for the last refused batch
+        self._run_experiment: str | None = None  # the run's experiment id, for rollout traces
 
     @property
     def rid(self) -> str:
@@ -278,6 +279,15 @@ class RunSession:
             )
         todo = [Param(k, v) for k, v in params.items() if k not in existing]
         self._log_entities("param", todo, lambda items: {"params": items})
+
+    def log_rollout(self, rollout: Mapping[str, Any]) -> None:
+        """Create the trace of one RL rollout, linked to this run, unless it exists already
+        (:func:`gwenlake_hpc.tracking.rollouts.deliver_rollout`)."""
+        from .rollouts import deliver_rollout
+
+        if self._run_experiment is None:
+            self._run_experiment = self.client.get_run(self.rid).info.experiment_id
+        deliver_rollout(self.client, self.uri, self._run_experiment, self.rid, rollout)
 
     def log_tags(self, tags: Mapping[str, str]) -> None:
         """Set run tags (values cut to MLflow's 8000-character limit)."""

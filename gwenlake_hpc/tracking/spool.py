@@ -40,7 +40,7 @@ ROTATE_BYTES = 16 << 20
 _SEGMENT = re.compile(r"^(\d{8,})\.jsonl$")
 
 Point = tuple[str, float, int, int]  # key, value, step, timestamp in ms
-Entry = Union[Point, dict]  # a point, or {"tags": {...}}
+Entry = Union[Point, dict]  # a point, {"tags": {...}} or {"rollout": {...}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,6 +87,11 @@ def decode(raw: bytes) -> Entry | None:
             if not isinstance(tags, dict):
                 return None
             return {"tags": {str(k): str(v) for k, v in tags.items()}}
+        if "rollout" in d:  # one RL episode, made a trace by the delivery (tracking/rollouts.py)
+            rollout = d["rollout"]
+            if not isinstance(rollout, dict) or not isinstance(rollout.get("messages"), list) or "id" not in rollout:
+                return None
+            return {"rollout": rollout}
         return (str(d["key"]), float(d["value"]), int(d["step"]), int(d["timestamp"]))
     except (ValueError, KeyError, TypeError):
         return None

@@ -235,6 +235,14 @@ class Tracker:
         with self._lock:
             self._buf.append({"tags": {str(k): str(v)[:MAX_TAG_VALUE_LENGTH] for k, v in tags.items()}})
 
+    def log_rollout(self, entry: Mapping[str, Any]) -> None:
+        """Record one RL rollout (``{"rollout": {...}}`` from :func:`.rollouts.rollout_entry`), delivered in order
+        with the points as an MLflow trace; never blocks."""
+        if self._closed:
+            return
+        with self._lock:
+            self._buf.append(dict(entry))
+
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Write every point logged so far to the spool (not fsynced) and wake the delivery process.
 
@@ -537,6 +545,9 @@ class NullTracker:
         """Do nothing."""
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Do nothing."""
+
+    def log_rollout(self, entry: Mapping[str, Any]) -> None:
         """Do nothing."""
 
     def wait_attached(self, timeout_s: float) -> bool:

@@ -15,6 +15,7 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_CUSTOM_METRIC=1    each step also sends the loss with gwenlake_hpc.log_custom_metric (tag split:train)
   GWL_TEST_TAGGED=1           at each evaluation also log tagged metrics (gwenlake_hpc.log_metrics and run.log)
   GWL_TEST_NAMED=NAME          print last_checkpoint_path() at the start; at the end save a named checkpoint NAME
+  GWL_TEST_ROLLOUTS=1         at each evaluation also log an RL rollout (a tool-calling conversation) as a trace
   GWL_TEST_EXTRA_MB=m[:k]     checkpoints carry an extra float32 tensor of m MiB (from step k on), filled with
                               the step (no RNG drawn, so the training is the same as without it)
 """
@@ -74,6 +75,7 @@ def fit(data, output, run, config: Params):
     if named:
         print(f"last named checkpoint: {gwenlake_hpc.last_checkpoint_path()}", flush=True)
     tagged = os.environ.get("GWL_TEST_TAGGED") == "1"
+    rollouts = os.environ.get("GWL_TEST_ROLLOUTS") == "1"
     for step, batch in run.steps(data.batches(config.batch_size, columns=columns)):
         loss = nn.functional.mse_loss(net(batch["x"]).squeeze(-1), batch["y"])
         if step == nan_at:
@@ -84,6 +86,16 @@ def fit(data, output, run, config: Params):
         run.log({"loss": loss.item()})
         if custom:
             log_custom_metric("loss", loss.item(), tags={"split": "train", "step": step})
+        if rollouts and run.at_eval:
+            gwenlake_hpc.log_rollout(
+                [{"role": "system", "content": "You check the weather."},
+                 {"role": "user", "content": f"Weather at step {step}?"},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"id": f"call-{step}", "type": "function",
+                      "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                 {"role": "tool", "tool_call_id": f"call-{step}", "content": "sunny"},
+                 {"role": "assistant", "content": "It is sunny."}],
+                reward=step / 100, task_id=f"task-{step}", metrics={"turns": 2}, rollout_id=f"{step:032x}")
         if tagged and run.at_eval:
             log_metrics({"mse": loss.item()}, tags={"split": "val", "class": "all"})
             run.log({"acc": 0.5 + step / 1000}, tags={"threshold": 0.5, "epoch": step // 10})
