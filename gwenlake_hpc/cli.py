@@ -375,7 +375,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         for target, tf in found.items():
             d = tf.defaults  # type: ignore[attr-defined]
             length = f"steps={d['steps']}" if d.get("steps") else f"epochs={d.get('epochs')}"
-            print(f"{target}  -> {tf.output.name}  {length} eval_every={d['eval_every']}")  # type: ignore[attr-defined]
+            kind = "short fit" if hasattr(tf, "user_fn") else f"{length} eval_every={d['eval_every']}"
+            print(f"{target}  -> {tf.output.name}  {kind}")  # type: ignore[attr-defined]
         return 0
     if args.name and ":" in args.name:
         matches = [args.name]
