@@ -220,6 +220,11 @@ def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
         raise ConfigError("no job given: add +job=NAME (a file conf/job/NAME.yaml) or job.target=module:function")
     tf = load_target(job.target)
     d = tf.defaults
+    if getattr(tf, "is_short", False):
+        loop = [k for k in ("steps", "epochs", "eval_every") if job.get(k) is not None]
+        if loop:
+            raise ConfigError(f"job.{loop[0]}={job.get(loop[0])}: {tf.target} is a short fit (one call, no loop); "
+                              f"drop job.{loop[0]}")
     resume = job.get("resume", "auto")
     async_default()  # GWENLAKE_CHECKPOINT_ASYNC is checked before anything is written
     on_nonfinite = str(getattr(job.get("on_nonfinite", "stop"), "value", job.get("on_nonfinite", "stop")))

@@ -47,8 +47,22 @@ def run_local(tf: TrainFunction, config: Any = None, *, steps: int | None = None
     if unknown:
         raise ConfigError(f"{tf.target}.local(): {', '.join(unknown)} is not a binding of the function "
                           f"(its bindings: {', '.join(tf.bindings) or 'none'})")
+    if getattr(tf, "is_short", False) and (steps, epochs, eval_every) != (None, None, None):
+        raise ConfigError(f"{tf.target} is a short fit (one call, no loop): drop steps/epochs/eval_every")
     if steps is not None and epochs is not None:
         raise ConfigError("give steps= or epochs=, not both")
+    for name, b in tf.bindings.items():
+        given = bindings.get(name)
+        if given is None:
+            continue
+        if isinstance(b, Output):
+            raise ConfigError(f"{name}: the Output of a local run is <run_dir>/output; give run_dir= to keep it")
+        if isinstance(b, Input) and not isinstance(given, (str, os.PathLike)) and not hasattr(given, "read"):
+            raise ConfigError(f"{name}={given!r}: give a Dataset or the path of an .h5 dataset file")
+        if isinstance(b, Model) and not isinstance(given, (str, os.PathLike)) and not hasattr(given, "version"):
+            raise ConfigError(f"{name}={given!r}: give a folder of the model's files or a load_model(...) result")
+    if run_dir is not None and Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise ConfigError(f"run_dir={str(run_dir)!r} is a file: give a folder (created if absent)")
     d = tf.defaults
     if steps is None and epochs is None:
         steps, epochs = d.get("steps"), d.get("epochs")

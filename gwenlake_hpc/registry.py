@@ -63,7 +63,8 @@ _HEX = re.compile(r"^[0-9a-fA-F]{4,64}$")
 _ZERO = "0" * 40
 
 
-def _check_alias(alias: str) -> str:
+def check_alias(alias: str) -> str:
+    """``alias`` when it is a valid alias name; ConfigError naming the accepted form otherwise."""
     if not isinstance(alias, str) or not _ALIAS_RE.match(alias):
         raise ConfigError(f"alias {alias!r}: use a name such as 'champion' (letters, digits, '_' and '-', "
                           "starting with a letter)")
@@ -161,7 +162,7 @@ def move_alias(model_name: str, alias: str, version: str, *, repo: Any = None, a
         GwenlakeError: git failed, the ref kept moving for ``max_attempts`` tries, or the alias no longer
             points at ``expected`` (someone moved it meanwhile: run the command again).
     """
-    _check_alias(alias)
+    check_alias(alias)
     with tempfile.TemporaryDirectory(prefix="gwenlake-alias-") as tmpdir:
         tmp = Path(tmpdir)
         g = _plumbing(repo, tmp)
@@ -233,7 +234,7 @@ def resolve_alias(model_name: str, alias: str, repo: Any = None, tracking_uri: s
     Raises:
         ConfigError: the alias is not set (the message lists the aliases that are).
     """
-    _check_alias(alias)
+    check_alias(alias)
     aliases = current_aliases(model_name, repo)
     if alias not in aliases:
         raise ConfigError(f"model {model_name} has no alias {alias!r} (aliases: "
@@ -846,6 +847,7 @@ def models_command(args: Any) -> int:
         from .release import find_run_dir, promote, version_from_run
 
         version = args.version
+        check_alias(args.alias)  # before any gate or commit
         if args.criterion and not args.from_run:
             raise ConfigError("--criterion picks among a run's checkpoints: give --from-run RUN with it")
         if args.from_run:

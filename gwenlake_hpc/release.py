@@ -20,6 +20,7 @@ exits 1.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .errors import ConfigError, GwenlakeError
-from .registry import LoadedModel, check_batch, current_aliases, load_model, mlflow_set_alias, move_alias
+from .registry import LoadedModel, check_alias, check_batch, current_aliases, load_model, mlflow_set_alias, move_alias
 
 log = logging.getLogger("gwenlake_hpc.release")
 
@@ -293,6 +294,7 @@ def promote(model_name: str, version: str, alias: str, *, repo: Any = None, reas
     Raises:
         ConfigError: bad name, version, alias or release config; missing test dataset.
     """
+    check_alias(alias)  # before the gate runs: a bad name would only fail at the end
     cfg = load_release_config(model_name, config)
     candidate = load_model(model_name, version, repo=repo)
     incumbent_sha = current_aliases(model_name, repo).get(alias)
@@ -378,13 +380,9 @@ def version_from_run(model_name: str, run_dir: Path, criterion: str | None = Non
         ConfigError: the run has no committed version (and no criterion), no checkpoint records the metric, or
             the chosen checkpoint is damaged.
     """
-    import json
-    import shutil
-    import tempfile
-
     from .checkpoints import CheckpointStore
     from .fsutil import read_json
-    from .versioning import commit_model, find_run_version, open_model_repo, default_model_repo, read_file
+    from .versioning import default_model_repo, open_model_repo
 
     info = read_json(run_dir / "run.json", default=None) or {}
     key = run_dir.name
@@ -413,6 +411,21 @@ def version_from_run(model_name: str, run_dir: Path, criterion: str | None = Non
     g_repo = repo if repo is not None and not isinstance(repo, (str, Path)) else \
         open_model_repo(Path(repo) if repo is not None else default_model_repo(Path.cwd()), create=True)
     ref = f"{key}/{info.get('uid', '')}@{best.step}"
+    lock_path = Path(g_repo.git_dir) / "gwenlake" / f"promote-{model_name}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # two promotes of one checkpoint at once: one commit
+        return _commit_checkpoint(g_repo, model_name, key, info, ref, best, how, metric, out)
+
+
+def _commit_checkpoint(g_repo: Any, model_name: str, key: str, info: dict[str, Any], ref: str, best: Any, how: str,
+                       metric: str, out: Callable[[str], Any]) -> str:
+    import json
+    import shutil
+    import tempfile
+
+    from .versioning import commit_model, find_run_version, read_file
+
     existing = find_run_version(g_repo, model_name, ref)
     if existing is not None:
         out(f"checkpoint step {best.step} of run {key} is version {existing} already")

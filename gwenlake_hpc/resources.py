@@ -8,6 +8,7 @@ environment, the 0600 secrets file, requeues); ``launcher.*`` in the job config 
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -16,7 +17,7 @@ from .errors import TrainDefinitionError
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MEMORY = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT])(i?)$")
-_GPU_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+_GPU_TYPE = re.compile(r"^[A-Za-z][A-Za-z0-9_.\-]*$")  # a type starts with a letter: "1.5" is no type
 _MIB = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
 MEMORY_FORMS = '"500Mi", "32Gi", "2T" (K, M, G, T, with or without i: binary units, as SLURM counts them)'
 
@@ -157,7 +158,8 @@ def parse_resources(settings: Mapping[str, Any]) -> Resources:
         raise TrainDefinitionError(f"@train max_retries={retries!r}: give a whole number >= 0")
     return Resources(cpus=parse_cpu(settings.get("cpu")), mem_mib=parse_memory(settings.get("memory")), gpus=gpus,
                      gpu_type=gpu_type, env={k: str(v) for k, v in env.items()}, secrets=tuple(secrets),
-                     metadata={k: str(v) for k, v in metadata.items()}, max_retries=retries)
+                     metadata={k: v if isinstance(v, str) else json.dumps(v, default=str) for k, v in metadata.items()},
+                     max_retries=retries)
 
 
 def launcher_defaults(resources: Resources) -> dict[str, Any]:

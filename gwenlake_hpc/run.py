@@ -240,7 +240,7 @@ class Run:
         self._checkpoint_step: int | None = None
         self._iterated = False
         self._summary: dict[str, float] = {}
-        self._tagged_series: set[str] = set()  # series whose tags are recorded on the MLflow run already
+        self._tagged_series: dict[str, dict[str, str]] = {}  # series -> its tags (recorded on the run already)
         self._progress: Progress | None = None
         self.checkpoint_async = async_default() if checkpoint_async is None else bool(checkpoint_async)
         if on_nonfinite not in ("stop", "warn"):
@@ -455,6 +455,11 @@ class Run:
             if self.evicted:
                 log.warning("stop requested (%s): loop ended after step %d", self._stop.reason, self.step)
 
+    def interruptible(self) -> Any:
+        """A block in which a stop signal raises :class:`gwenlake_hpc.signals.StopInterrupt` at once (see
+        :meth:`StopRequest.interrupting`); used by short fits, which have nothing to save half-way."""
+        return self._stop.interrupting()
+
     def _agree_on_stop(self) -> bool:
         """Whether any rank was asked to stop; a rank that was not records the other's reason (for its log)."""
         if not self.dist.enabled:
@@ -496,9 +501,13 @@ class Run:
         if tags:
             for k in metrics:
                 series_of[k], suffix_step, naming = tagged_series(k, tags)
+                seen = self._tagged_series.get(series_of[k])
+                if seen is not None and seen != naming:  # "a/b" and "a_b" would merge, and points be lost
+                    raise ValueError(f"metric {k!r}: tags {naming} and {seen} both make the series "
+                                     f"{series_of[k]!r} (characters MLflow refuses become '_'): tell them apart")
             for k in metrics:
                 if series_of[k] not in self._tagged_series:
-                    self._tagged_series.add(series_of[k])
+                    self._tagged_series[series_of[k]] = naming
                     if self.is_main:
                         self.tracker.set_tags(dict([run_tag(series_of[k], naming)]))
         step = int(step) if step is not None else suffix_step if suffix_step is not None else self.step

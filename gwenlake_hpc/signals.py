@@ -26,6 +26,11 @@ log = logging.getLogger("gwenlake_hpc.signals")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
 
 
+class StopInterrupt(BaseException):
+    """Raised by a stop signal inside :meth:`StopRequest.interrupting` (a BaseException: ``except Exception`` in
+    user code does not swallow it)."""
+
+
 class StopRequest:
     """A stop flag set by signal handlers (or by :meth:`request`), read by the Run between steps.
 
@@ -63,6 +68,22 @@ class StopRequest:
             self.signum = signal.Signals(signum)
             self.received_at = time.monotonic()
             self.reason = self.signum.name
+        if getattr(self, "_interrupting", False):
+            self._interrupting = False  # once: the code that catches it may clean up undisturbed
+            raise StopInterrupt(self.reason)
+
+    @contextlib.contextmanager
+    def interrupting(self) -> Iterator[None]:
+        """Within the block a stop signal also raises :class:`StopInterrupt` where the code is (after recording
+        the stop as usual). For work with nothing to save half-way (a short fit), which then ends at once
+        instead of running to its end only to be discarded. Main thread only (where handlers run)."""
+        self._interrupting = True
+        try:
+            if self.requested:  # asked before the block began
+                raise StopInterrupt(self.reason or "stop")
+            yield
+        finally:
+            self._interrupting = False
 
     def install(self, signals: tuple[int, ...] = STOP_SIGNALS) -> bool:
         """Install the handlers; the previous ones are kept for :meth:`uninstall`.

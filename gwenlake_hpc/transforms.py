@@ -23,12 +23,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 import typing
 from typing import Any, Callable
 
 from .api import DEFAULTS, REGISTRY, Input, Model, Output, TrainFunction, split_train_kwargs
 from .errors import TrainDefinitionError
 from .resources import parse_resources
+from .signals import StopInterrupt
+
+log = logging.getLogger("gwenlake_hpc.transforms")
 
 __all__ = ["train", "Input", "Output", "Model", "ShortFit", "to_frame"]
 
@@ -73,6 +77,8 @@ class ShortFit(TrainFunction):
     """A decorated short fit. Calling it calls the plain function; the job runs :attr:`fn`, a one-step
     training that reads the inputs into DataFrames and calls it."""
 
+    is_short = True
+
     def __init__(self, user_fn: Callable[..., Any], bindings: dict[str, Any], defaults: dict[str, Any],
                  prepare: Callable[..., Any] | None):
         params = inspect.signature(user_fn).parameters
@@ -97,9 +103,20 @@ class ShortFit(TrainFunction):
             for name in bindings:
                 if isinstance(bindings[name], Input):
                     kwargs[name] = to_frame(kwargs[name], polars=name in self.polars_inputs)
+                elif isinstance(bindings[name], Output):  # a start begins from nothing: no file of a stopped one
+                    _empty(kwargs[name].path)
             result = None
-            for _ in run.steps():  # one step: the stop signals are honoured around it, not inside
-                result = user_fn(**kwargs)
+            for _ in run.steps():
+                try:
+                    # A stop signal ends the fit where it is (nothing is saved half-way): exit 75, and the
+                    # next start fits again from the beginning.
+                    with run.interruptible():
+                        result = user_fn(**kwargs)
+                except StopInterrupt as stop:
+                    log.warning("short fit stopped (%s) before its end: nothing is committed; run the same job "
+                                "again to fit from the start", stop)
+                    run.evicted = True
+                    return None
             return None if run.evicted else result
 
         del one_step.__wrapped__  # the job inspects one_step itself: it takes `run`
@@ -113,6 +130,17 @@ class ShortFit(TrainFunction):
 
     def __repr__(self) -> str:
         return f"<short fit {self.target} -> {self.output.name}>"
+
+
+def _empty(folder: Any) -> None:
+    import shutil
+    from pathlib import Path
+
+    for p in Path(folder).iterdir() if Path(folder).is_dir() else ():
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def _is_polars(annotation: Any) -> bool:

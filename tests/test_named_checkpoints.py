@@ -84,3 +84,31 @@ def test_a_named_checkpoint_of_one_run_is_seen_by_the_next_and_listed(project):
     assert lines[2].startswith("* experiment-two") and '{"lr": 0.01, "seed": 1}' in lines[2]
     bad = project.run("checkpoints", "list", "../etc")
     assert bad.returncode == 2 and "not a valid name" in bad.stderr
+
+
+def test_a_reader_never_sees_a_replaced_checkpoint_missing(tmp_path):
+    """Replacing a name swaps the folders in one step: latest_path() and the folder are there throughout."""
+    import threading
+
+    root = tmp_path / "m"
+    save_named(root, "shared", nn.Linear(2, 2), run_key="k", step=0)
+    done = threading.Event()
+    missing = []
+
+    def read():
+        while not done.is_set():
+            if latest_path(root) is None or not (root / "named" / "shared" / "checkpoint.json").is_file():
+                missing.append(1)
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        for step in range(1, 40):
+            save_named(root, "shared", nn.Linear(2, 2), run_key="k", step=step, additional_files=str(tmp_path / "f")
+                       if (tmp_path / "f").write_text("x") else ())
+    finally:
+        done.set()
+        t.join(30)
+    assert missing == [] and json.loads((root / "named" / "shared" / "checkpoint.json").read_text())["step"] == 39
+    assert (root / "named" / "shared" / "f").read_text() == "x"  # a str is one file, not its characters
+    assert not [p for p in (root / "named").iterdir() if p.name.startswith((".tmp", ".old"))]

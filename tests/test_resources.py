@@ -27,7 +27,7 @@ def test_cpu_and_gpu_forms():
             parse_cpu(bad)
     assert parse_gpu("1") == (1, None) and parse_gpu(2) == (2, None)
     assert parse_gpu("nvidia-a10g:1") == (1, "nvidia-a10g") and parse_gpu("a100") == (1, "a100")
-    for bad in ("a100:0", "a 100:1", ":1", "x:y", True):
+    for bad in ("a100:0", "a 100:1", ":1", "x:y", "1.5", True):
         with pytest.raises(TrainDefinitionError, match="TYPE:COUNT"):
             parse_gpu(bad)
 

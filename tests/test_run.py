@@ -167,9 +167,13 @@ def test_metric_tags_step_and_epoch_give_the_x_axis_and_odd_values_are_made_safe
         run.log({"x": 1.0}, tags={"colour": "red"})
         run.log({"x": 2.0}, tags={"colour": "blue"})
     assert sum("'colour' is not one of" in r.getMessage() for r in caplog.records) == 1
-    for bad in ({"bad tag": 1}, {"epoch": "two"}, {"step": -1}, {"step": 1.5}):
-        with pytest.raises(ValueError, match="metric tag"):
+    for bad in ({"bad tag": 1}, {"epoch": "two"}, {"step": -1}, {"step": 1.5}, {"split": None}, "split=val",
+                {"split": "x" * 300}):
+        with pytest.raises(ValueError, match="metric tag|MLflow takes 250"):
             run.log({"x": 1.0}, tags=bad)
+    run.log({"auc": 0.1}, tags={"split": "a/b"})
+    with pytest.raises(ValueError, match="both make the series 'auc/split:a_b'"):
+        run.log({"auc": 0.2}, tags={"split": "a_b"})  # would merge with a/b, and one of the points be lost
     with pytest.raises(GwenlakeError, match="no training runs in this process"):
         log_metrics({"x": 1.0})
     with active(run):

@@ -71,3 +71,31 @@ def test_a_short_fit_is_a_version_with_its_mlflow_run_and_runs_locally(project):
     spec.loader.exec_module(module)
     local = module.short.local(data_root=project.root / "data")
     assert local["mse"] == pytest.approx(metrics["mse"])
+
+
+def test_a_stop_signal_ends_a_short_fit_at_once_and_the_next_start_fits_again(project, tmp_path):
+    """SIGTERM in the middle of a short fit: exit 75 without waiting for its end, nothing committed; a stale
+    output file of the stopped start is not committed by the next one."""
+    import signal
+
+    from conftest import wait_until
+
+    reached, go = tmp_path / "reached", tmp_path / "go"
+    proc = project.popen("job.target=trainer.py:short", env={"GWL_TEST_SHORT_WAIT": f"{reached}:{go}"})
+    wait_until(reached.exists, timeout_s=300, what="the short fit to start")
+    run_dir = next((project.root / "runs" / "t.model").iterdir())
+    (run_dir / "output" / "stale.txt").write_text("from the stopped start")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)  # `go` never appears: only the signal can end it
+    assert proc.returncode == 75, out + err
+    assert "short fit stopped (SIGTERM)" in out + err
+    assert project.git("branch", "--list", "models/t.model") == ""
+    again = project.run("job.target=trainer.py:short", check=0)
+    assert again.returncode == 0, again.stdout + again.stderr
+    version = again.stdout.strip().splitlines()[-1].split()[-1]
+    assert "t/model/stale.txt" not in project.git("ls-tree", "-r", "--name-only", version)
+
+
+def test_loop_settings_are_refused_for_a_short_fit(project):
+    bad = project.run("job.target=trainer.py:short", "job.steps=5")
+    assert bad.returncode == 2 and "is a short fit (one call, no loop)" in bad.stdout + bad.stderr

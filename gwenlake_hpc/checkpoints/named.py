@@ -9,14 +9,15 @@ checkpoints (``run.checkpoint()``, pruned with ``keep=``, for resuming) these ar
 and any run of the model can read them (a second experiment starting from the first one's weights).
 
 Durability: a checkpoint is made in a temporary folder beside the store, fsynced, and renamed into place; one
-of the same name is replaced whole (the old one is moved aside first, then removed), so a reader sees the old
-or the new one, never a mix. ``latest.json`` is replaced atomically after the rename. Writers of the same
+of the same name is swapped with it in one step (``renameat2(RENAME_EXCHANGE)``; where that is missing the old
+one is moved aside first), so a reader sees the old or the new one, never a mix. ``latest.json`` is replaced atomically after the rename. Writers of the same
 model hold ``named/.lock`` (flock) while they rename, so two runs saving at once leave one consistent winner.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import json
 import os
@@ -35,6 +36,7 @@ NAMED_DIR = "named"
 LATEST_FILE = "latest.json"
 INFO_FILE = "checkpoint.json"
 MODEL_FILE = "model.safetensors"
+MAX_METADATA_BYTES = 64 * 1024
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 
 
@@ -77,9 +79,15 @@ def save_named(model_root: Path, name: str, model: Any, *, run_key: str, step: i
 
     name = check_name(name)
     try:
-        meta = json.loads(json.dumps(dict(metadata or {}), allow_nan=False))
+        text = json.dumps(dict(metadata or {}), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"checkpoint metadata: give JSON values (str, numbers, lists, dicts): {exc}") from None
+    if len(text) > MAX_METADATA_BYTES:
+        raise ConfigError(f"checkpoint metadata: {len(text)} bytes of JSON, {MAX_METADATA_BYTES} at most; put "
+                          "large things in additional_files")
+    meta = json.loads(text)
+    if isinstance(additional_files, (str, os.PathLike)):  # one file, not its characters
+        additional_files = [additional_files]
     files = [Path(f) for f in additional_files]
     for f in files:
         if not f.is_file():
@@ -107,11 +115,16 @@ def save_named(model_root: Path, name: str, model: Any, *, run_key: str, step: i
         fsync_dir(tmp)
         dest = store / name
         with _lock(store):
+            for stale in store.glob(".old-*"):  # left by a writer killed between its two renames
+                shutil.rmtree(stale, ignore_errors=True)
             old = None
-            if dest.exists():
-                old = store / f".old-{name}-{os.getpid()}-{time.monotonic_ns()}"
-                os.rename(dest, old)
-            os.rename(tmp, dest)
+            if dest.exists() and _exchange(tmp, dest):
+                old = tmp  # readers saw the old folder, then the new one: never none
+            else:
+                if dest.exists():  # no RENAME_EXCHANGE here (an old kernel, some network filesystems)
+                    old = store / f".old-{name}-{os.getpid()}-{time.monotonic_ns()}"
+                    os.rename(dest, old)
+                os.rename(tmp, dest)
             fsync_dir(store)
             write_atomic(store / LATEST_FILE, (json.dumps({"name": name, "run_key": run_key, "step": int(step),
                                                            "time": info["time"]}) + "\n").encode())
@@ -121,6 +134,16 @@ def save_named(model_root: Path, name: str, model: Any, *, run_key: str, step: i
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where it is not available."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), rename_exchange) == 0
 
 
 def latest_path(model_root: Path) -> Path | None:

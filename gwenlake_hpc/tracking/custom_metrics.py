@@ -110,7 +110,7 @@ def log_custom_metric(name: str, value: float, tags: Mapping[str, Any] | None = 
             _warn_once(f"value:{name}", "custom metric %s: %r is not a number: dropped", name, value)
             return False
         if not math.isfinite(number):
-            _warn_once(f"finite:{name}", "custom metric %s: %s is not finite: dropped (and every later one)", name,
+            _warn_once(f"finite:{name}", "custom metric %s: %s is not finite: dropped (said once for this name)", name,
                        number)
             return False
         sink = _current()

@@ -26,6 +26,8 @@ log = logging.getLogger("gwenlake_hpc.tracking")
 VOCABULARY = ("split", "class", "threshold", "optimizer", "model_version", "epoch", "step")
 #: Tags that give the x-axis instead of naming a series.
 X_AXIS = ("step", "epoch")
+#: MLflow's longest metric name.
+MAX_SERIES_LENGTH = 250
 #: Run tag prefix recording each tagged series' tags.
 RUN_TAG_PREFIX = "gwenlake.metric_tags."
 
@@ -42,18 +44,25 @@ def tagged_series(name: str, tags: Mapping[str, Any] | None) -> tuple[str, int |
         tags: ``{tag name: value}``; values are turned into text (``0.5`` -> ``"0.5"``).
 
     Returns:
-        (``"auc/class:churn/split:test"``, step from ``step``/``epoch`` or None, ``{"class": ..., ...}``).
+        (``"auc/class:churn/split:test"``, step from ``step``/``epoch`` or None, the naming tags as given
+        (values as text, before characters MLflow refuses become ``_``)).
 
     Raises:
-        ValueError: a tag name that is not a word (letters, digits, ``_ . -``), or a ``step``/``epoch`` that is
-            not a whole number >= 0.
+        ValueError: tags that are not a dict, a tag name that is not a word (letters, digits, ``_ . -``), a value
+            that is not a string or number, a ``step``/``epoch`` that is not a whole number >= 0, a series name
+            over MLflow's 250 characters.
     """
     if not tags:
         return name, None, {}
+    if not isinstance(tags, Mapping):
+        raise ValueError(f"metric tags={tags!r}: give a dict, e.g. tags={{'split': 'val'}}")
     naming: dict[str, str] = {}
+    safe: dict[str, str] = {}
     step: int | None = None
     for key in sorted(tags, key=str):
         value = tags[key]
+        if value is None or not isinstance(value, (str, int, float)):
+            raise ValueError(f"metric tag {key}={value!r}: give a string or a number")
         if not isinstance(key, str) or not _TAG_NAME.match(key):
             raise ValueError(f"metric tag name {key!r}: use letters, digits, _ . - (e.g. split, class)")
         if key not in VOCABULARY and key not in _warned:
@@ -65,8 +74,12 @@ def tagged_series(name: str, tags: Mapping[str, Any] | None) -> tuple[str, int |
             if key == "step" or "step" not in tags:  # step wins over epoch
                 step = number
             continue
-        naming[key] = _UNSAFE.sub("_", str(value)) or "_"
-    series = name + "".join(f"/{k}:{v}" for k, v in naming.items())
+        naming[key] = str(value)
+        safe[key] = _UNSAFE.sub("_", str(value)) or "_"
+    series = name + "".join(f"/{k}:{v}" for k, v in safe.items())
+    if len(series) > MAX_SERIES_LENGTH:
+        raise ValueError(f"metric {name!r} with tags {naming}: the series name would have {len(series)} characters, "
+                         f"MLflow takes {MAX_SERIES_LENGTH} at most; shorten the tag values")
     return series, step, naming
 
 

@@ -16,6 +16,7 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_TAGGED=1           at each evaluation also log tagged metrics (gwenlake_hpc.log_metrics and run.log)
   GWL_TEST_NAMED=NAME          print last_checkpoint_path() at the start; at the end save a named checkpoint NAME
   GWL_TEST_ROLLOUTS=1         at each evaluation also log an RL rollout (a tool-calling conversation) as a trace
+  GWL_TEST_SHORT_WAIT=r:g     the short fit creates file r, then waits for file g
   GWL_TEST_EXTRA_MB=m[:k]     checkpoints carry an extra float32 tensor of m MiB (from step k on), filled with
                               the step (no RNG drawn, so the training is the same as without it)
 """
@@ -213,6 +214,11 @@ def fit_declared(data, output, run, config: Params):
 @train_short(data=Input("t.rows"), output=Output("t.model"))
 def short(data, output, config: Params):
     """A short fit: least squares on the DataFrame (x_0..x_3 from the [rows, 4] column x)."""
+    if os.environ.get("GWL_TEST_SHORT_WAIT"):  # reached:go, as GWL_TEST_PAUSE
+        reached, go = (Path(p) for p in os.environ["GWL_TEST_SHORT_WAIT"].split(":"))
+        reached.touch()
+        while not go.exists():
+            time.sleep(0.05)
     x = data[[f"x_{i}" for i in range(4)]].to_numpy()
     w, *_ = np.linalg.lstsq(x, data["y"].to_numpy(), rcond=None)
     np.save(output.file("w.npy"), w)
