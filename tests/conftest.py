@@ -125,3 +125,41 @@ def wait_until(pred, timeout_s: float = 60.0, what: str = "") -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what or pred}")
+
+
+@pytest.fixture(scope="session")
+def observed_job(tmp_path_factory):
+    """One job (``+job=t``, 30 steps) that sends its loss to StatsD (a real UDP socket here, via ``statsd.*``),
+    logs tagged metrics and RL rollouts: read by the custom-metric, metric-tag and rollout tests.
+
+    Returns a namespace with ``project``, ``proc`` (CompletedProcess) and ``datagrams`` (bytes received).
+    """
+    import socket
+    import threading
+    from types import SimpleNamespace
+
+    project = make_test_project(tmp_path_factory.mktemp("observed") / "project")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.settimeout(1)
+    got: list[bytes] = []
+    done = threading.Event()
+
+    def receive():
+        while not done.is_set():
+            try:
+                got.append(sock.recv(65536))
+            except socket.timeout:
+                continue
+
+    t = threading.Thread(target=receive, daemon=True)
+    t.start()
+    try:
+        proc = project.run("+job=t", "job.steps=30", "statsd.host=127.0.0.1", f"statsd.port={sock.getsockname()[1]}",
+                           "statsd.prefix=ci", env={"GWL_TEST_CUSTOM_METRIC": "1", "GWL_TEST_TAGGED": "1",
+                                                    "GWL_TEST_ROLLOUTS": "1", "STATSD_HOST": ""}, timeout=600)
+    finally:
+        done.set()
+        t.join(10)
+        sock.close()
+    return SimpleNamespace(project=project, proc=proc, datagrams=got)

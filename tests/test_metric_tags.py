@@ -8,8 +8,8 @@ import json
 from mlflow import MlflowClient
 
 
-def test_tagged_metrics_are_series_mlflow_accepts_with_their_tags_on_the_run(project):
-    proc = project.run("+job=t", "job.steps=30", env={"GWL_TEST_TAGGED": "1"}, check=0)
+def test_tagged_metrics_are_series_mlflow_accepts_with_their_tags_on_the_run(observed_job):
+    project, proc = observed_job.project, observed_job.proc
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     client = MlflowClient(tracking_uri=f"sqlite:///{project.root / 'runs' / 'mlflow.db'}")

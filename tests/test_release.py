@@ -161,7 +161,7 @@ def test_done_when_churn_trained_twice_listed_loaded_promoted_refused_rolled_bac
 
 
 @pytest.mark.slow
-def test_promote_from_a_run_its_own_version_or_its_best_checkpoint_through_the_gate(tmp_path):
+def test_promote_from_a_run_its_own_version_or_its_best_checkpoint_through_the_gate(tmp_path, monkeypatch, capsys):
     from gwenlake_hpc.checkpoints import CheckpointStore
 
     p = make_scorer_project(tmp_path / "project")
@@ -195,9 +195,15 @@ def test_promote_from_a_run_its_own_version_or_its_best_checkpoint_through_the_g
 
     assert len(list_versions(p.root, "t.scorer")) == 2  # no second commit of that checkpoint
 
+    # Bad input, in this process (the command line's own function): exit 2, the reason, nothing committed.
+    from gwenlake_hpc.cli import run_subcommand
+
+    monkeypatch.chdir(p.root)
     for args, needle in ((["--from-run", key, "--criterion", "max:nope"], "recorded: train_auc"),
                          (["--from-run", "nope"], "no run of t.scorer"),
                          (["--version", own, "--criterion", "max:train_auc"], "give --from-run"),
-                         (["--from-run", key, "--criterion", "best"], "use max:METRIC or min:METRIC")):
-        bad = p.run("models", "promote", "t.scorer", *args, "--alias", "x")
-        assert bad.returncode == 2 and needle in bad.stderr, (args, bad.stdout + bad.stderr)
+                         (["--from-run", key, "--criterion", "best"], "use max:METRIC or min:METRIC"),
+                         (["--from-run", key, "--criterion", "min:train_auc", "--alias", "a b"], "alias 'a b'")):
+        code = run_subcommand(["models", "promote", "t.scorer", *args] + ([] if "--alias" in args else ["--alias", "x"]))
+        assert code == 2 and needle in capsys.readouterr().err, args
+    assert len(list_versions(p.root, "t.scorer")) == 2

@@ -58,8 +58,8 @@ def test_a_rollout_delivered_twice_is_one_trace_with_its_spans(tmp_path):
     assert t.data.spans[0].outputs["reward"] == 0.5 and t.data.spans[2].outputs["content"] == "4"
 
 
-def test_a_job_logs_its_rollouts_as_traces_of_its_run(project):
-    done = project.run("+job=t", "job.steps=30", env={"GWL_TEST_ROLLOUTS": "1"}, check=0)
+def test_a_job_logs_its_rollouts_as_traces_of_its_run(observed_job):
+    project, done = observed_job.project, observed_job.proc
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     client = MlflowClient(tracking_uri=f"sqlite:///{project.root / 'runs' / 'mlflow.db'}")
     run_dir = next((project.root / "runs" / "t.model").iterdir())
