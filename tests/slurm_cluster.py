@@ -56,15 +56,27 @@ def node_states() -> dict[str, str]:
 _unavailable = False  # once found absent, stays absent for this process (each sinfo try costs seconds)
 
 
-def cluster_available() -> bool:
-    """sinfo answers within a few seconds and both nodes are up (idle, mixed, allocated or completing)."""
+def cluster_available(wait_s: float = 90) -> bool:
+    """sinfo answers within a few seconds and both nodes are up (idle, mixed, allocated or completing).
+
+    A node still coming back (a test revived it, the controller has not heard from it yet: ``idle*``) is
+    waited for up to ``wait_s`` seconds. Only a cluster that is not there at all (sinfo does not answer) is
+    remembered as absent, so one slow node does not fail every later test.
+    """
     global _unavailable
     if _unavailable:
         return False
-    states = node_states()
-    up = all(states.get(node) in _UP_STATES for node in NODES)
-    _unavailable = not up
-    return up
+    deadline = time.monotonic() + wait_s
+    while True:
+        states = node_states()
+        if not states:
+            _unavailable = True
+            return False
+        if all(states.get(node) in _UP_STATES for node in NODES):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(1)
 
 
 def require_cluster() -> None:
@@ -203,7 +215,7 @@ def lose_node(node: str, job_id: int) -> None:
         raise RuntimeError(f"scontrol update nodename={node} state=down failed: {proc.stderr if proc else ''}")
 
 
-def revive_node(node: str, timeout_s: float = 60) -> None:
+def revive_node(node: str, timeout_s: float = 120) -> None:
     """Start the node's slurmd again and wait until the controller has it back in service."""
     for sock in Path(f"/var/spool/slurmd-{node}").glob("*.socket"):  # the killed stepds' sockets
         sock.unlink(missing_ok=True)
@@ -212,7 +224,7 @@ def revive_node(node: str, timeout_s: float = 60) -> None:
     _run(["scontrol", "update", f"nodename={node}", "state=resume"])
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if node_states().get(node, "").rstrip("*") in ("idle", "mix", "alloc"):
+        if node_states().get(node, "") in ("idle", "mix", "alloc"):  # not "idle*": the controller hears it
             return
         _run(["scontrol", "update", f"nodename={node}", "state=resume"])
         time.sleep(1)
