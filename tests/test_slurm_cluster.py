@@ -13,6 +13,8 @@ import pytest
 from slurm_cluster import (job_restarts, release, require_cluster, sacct_history, sacct_state, sbatch, scancel,
                            show_job, squeue_state, wait_state)
 
+pytestmark = pytest.mark.slurm  # runs in the cluster half of scripts/test.sh
+
 
 @pytest.fixture
 def jobs():
