@@ -495,25 +495,13 @@ class Run:
             ValueError: a bad tag name, or a ``step``/``epoch`` tag that is not a whole number.
             NonFiniteError: a NaN or infinite loss with ``job.on_nonfinite=stop``.
         """
-        suffix_step = None
-        naming: dict[str, str] = {}
-        series_of = {k: k for k in metrics}
-        if tags:
-            for k in metrics:
-                series_of[k], suffix_step, naming = tagged_series(k, tags)
-                seen = self._tagged_series.get(series_of[k])
-                if seen is not None and seen != naming:  # "a/b" and "a_b" would merge, and points be lost
-                    raise ValueError(f"metric {k!r}: tags {naming} and {seen} both make the series "
-                                     f"{series_of[k]!r} (characters MLflow refuses become '_'): tell them apart")
-            for k in metrics:
-                if series_of[k] not in self._tagged_series:
-                    self._tagged_series[series_of[k]] = naming
-                    if self.is_main:
-                        self.tracker.set_tags(dict([run_tag(series_of[k], naming)]))
-        step = int(step) if step is not None else suffix_step if suffix_step is not None else self.step
-        values = {}
-        for k, v in metrics.items():
-            values[series_of[k]] = float(v.item() if hasattr(v, "item") else v)
+        tag_step = None
+        if tags:  # the plain path (every step, no tags) does no naming work
+            series_of, tag_step = self._tagged_names(metrics, tags)
+            values = {series_of[k]: float(v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
+        else:
+            values = {k: float(v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
+        step = int(step) if step is not None else tag_step if tag_step is not None else self.step
         for k, v in values.items():
             if not math.isfinite(v):
                 self._non_finite(k, v, step)
@@ -523,6 +511,24 @@ class Run:
         t0 = time.perf_counter()
         self.tracker.log_metrics(values, step)
         self._times["tracking"] += time.perf_counter() - t0
+
+    def _tagged_names(self, metrics: Mapping[str, Any], tags: Mapping[str, Any]) -> tuple[dict[str, str], int | None]:
+        """Series name of each metric under ``tags`` and the step the tags give; records a new series' tags on
+        the run once. Raises ValueError (see :meth:`log`)."""
+        series_of: dict[str, str] = {}
+        tag_step, naming = None, {}
+        for k in metrics:
+            series_of[k], tag_step, naming = tagged_series(k, tags)
+            seen = self._tagged_series.get(series_of[k])
+            if seen is not None and seen != naming:  # "a/b" and "a_b" would merge, and points be lost
+                raise ValueError(f"metric {k!r}: tags {naming} and {seen} both make the series "
+                                 f"{series_of[k]!r} (characters MLflow refuses become '_'): tell them apart")
+        for k in metrics:
+            if series_of[k] not in self._tagged_series:
+                self._tagged_series[series_of[k]] = naming
+                if self.is_main:
+                    self.tracker.set_tags(dict([run_tag(series_of[k], naming)]))
+        return series_of, tag_step
 
     def _log_times(self, step: int) -> None:
         """Log where the steps since the last evaluation spent their time, in seconds per step.
