@@ -194,7 +194,7 @@ Binding = typing.Union[Input, Output, Model]
 DEFAULTS: dict[str, Any] = {
     "steps": None, "epochs": None, "eval_every": 1000, "seed": 0, "model": None, "tracking": True,
     "cpu": None, "memory": None, "gpu": None, "env": None, "secrets": None, "metadata": None, "max_retries": None,
-    "name": None,
+    "name": None, "image": None,
 }
 
 #: Every decorated function, by target ``module:qualname``.
@@ -351,7 +351,8 @@ def train(*, prepare: Callable[..., Any] | None = None, **kwargs: Any) -> Callab
     ``tracking`` (bool), ``name`` (str, same as ``model``), and for the SLURM launcher (defaults that
     ``launcher.*`` overrides; see :mod:`gwenlake_hpc.resources`): ``cpu`` (``"8"``), ``memory`` (``"32Gi"``,
     ``"500Mi"``, ``"2T"``, or a number of GiB), ``gpu`` (``"1"`` or ``"nvidia-a10g:1"``), ``env`` (dict),
-    ``secrets`` (names of environment variables), ``max_retries`` (int); ``metadata`` (dict) becomes tags of the
+    ``secrets`` (names of environment variables), ``max_retries`` (int), ``image`` (the container image the job
+    runs in: ``launcher.container.image``); ``metadata`` (dict) becomes tags of the
     MLflow run.
     ``prepare`` is an optional ``callable(catalog, config)`` called before inputs are opened.
 

@@ -119,6 +119,34 @@ class LauncherConfig:
 
 
 @dataclass
+class ContainerConfig:
+    """The container image the job step runs in (``launcher.container``; read by
+    :mod:`gwenlake_hpc.launch.container`). No image: the step runs in the node's own environment.
+
+    Attributes:
+        image: an Apptainer/Singularity image (a ``.sif`` file, or a ``docker://``, ``oras://``, ``library://``
+            reference that the runtime pulls), or an OCI bundle directory (``config.json`` and a root file
+            system) for SLURM's ``--container``. Default: ``@train(image=)``, else none.
+        runtime: ``apptainer``, ``singularity`` or ``oci``; null: ``oci`` for a directory, else ``apptainer``.
+        binds: more host paths to bind, ``SRC[:DST[:ro|rw]]``; the runs, data and model-repository roots,
+            the job's log folder and the submitting directory are bound already.
+        gpu: pass the node's GPUs in (``--nv`` for Apptainer; the NVIDIA container toolkit's hook for OCI);
+            null: when the job asks for GPUs (``gpus_per_node``, ``gres``, ``@train(gpu=)``).
+        env: environment variables set inside the container (over the job's own, which pass through).
+        python: the interpreter inside the image that has gwenlake_hpc installed.
+        pin: refuse a requeued start whose image differs from the previous start's (default: warn).
+    """
+
+    image: Optional[str] = None
+    runtime: Optional[str] = None
+    binds: List[str] = field(default_factory=list)
+    gpu: Optional[bool] = None
+    env: Dict[str, str] = field(default_factory=dict)
+    python: str = "python3"
+    pin: bool = False
+
+
+@dataclass
 class SlurmLauncherConfig(LauncherConfig):
     """Submission to SLURM through submitit (``launcher=slurm``); see conf/launcher/slurm.yaml.
 
@@ -140,6 +168,7 @@ class SlurmLauncherConfig(LauncherConfig):
         secrets: names of environment variables read from the submitting environment at submission and
             passed through a 0600 file, never through the script, logs, params, tags or commits.
         folder: where submitit keeps scripts and logs; default ``<run_dir>/slurm``.
+        container: the container image the step runs in (:class:`ContainerConfig`).
         wait: block until the job ends and report its result.
         dry_run: print the sbatch script that would be submitted, submit nothing.
     """
@@ -165,6 +194,7 @@ class SlurmLauncherConfig(LauncherConfig):
     env: Dict[str, str] = field(default_factory=dict)
     secrets: List[str] = field(default_factory=list)
     folder: Optional[str] = None
+    container: ContainerConfig = field(default_factory=ContainerConfig)
     wait: bool = False
     dry_run: bool = False
 

@@ -38,6 +38,7 @@ from .distributed import Dist
 from .distributed import setup as setup_distributed
 from .distributed import teardown as teardown_distributed
 from .run import Run, async_default, seed_everything
+from .run_environment import check_same_image, container_start
 from .run import active as active_run
 from .signals import StopRequest, shield_children
 from .tracking.custom_metrics import check_settings as check_statsd
@@ -502,6 +503,10 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     start = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), **slurm_facts()}
     if d.enabled:
         start["world_size"] = d.world_size
+    container = container_start()  # launcher.container: the image this start runs in (None without one)
+    if container:
+        check_same_image(info["starts"], container)  # warns, or refuses when pinned (before anything is written)
+        start["container"] = container
     info["starts"].append(start)
     if d.is_main:
         write_json_atomic(info_path, info)
@@ -519,6 +524,8 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
             tags.update({"gwenlake.code_commit": code.commit, "gwenlake.code_dirty": str(code.dirty).lower()})
         if os.environ.get("GWENLAKE_CODE_PATCH_SHA256"):
             tags["gwenlake.code_patch_sha256"] = os.environ["GWENLAKE_CODE_PATCH_SHA256"]
+        if container:
+            tags.update({f"gwenlake.container.{k}": str(v) for k, v in container.items() if v})
         tags.update({f"slurm.{k[6:].lower()}": v for k, v in slurm_facts().items()})
         artifact_location = (runs_root / "mlartifacts" / model_name).as_uri() if is_sqlite(tracking_uri) else None
         state_dir = state_dir_for(run_dir, tracking_uri)
@@ -682,6 +689,8 @@ def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any
         if tracking_on else None,
         "final_step": run.step,
         "starts": info["starts"],
+        # the image of the start that finished the training (each start's is in starts[])
+        "container": info["starts"][-1].get("container") if info["starts"] else None,
         "packages": _package_versions(),
         # SLURM job ids of every start (a requeue keeps the id; a resubmission gets a new one)
         "slurm_jobs": sorted({s["SLURM_JOB_ID"] for s in info["starts"] if s.get("SLURM_JOB_ID")}),

@@ -34,6 +34,8 @@ class Resources:
         secrets: names of environment variables passed through the 0600 secrets file at submission.
         metadata: tags of the MLflow run (str -> str).
         max_retries: requeues after a time limit or a killed job step, or None (the launcher's default, 3).
+        image: the container image (``launcher.container.image``): a ``.sif`` path, a ``docker://`` reference
+            or an OCI bundle directory; None: no container.
     """
 
     cpus: int | None = None
@@ -44,12 +46,13 @@ class Resources:
     secrets: tuple[str, ...] = ()
     metadata: Mapping[str, str] = field(default_factory=dict)
     max_retries: int | None = None
+    image: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data (the remote plan sends it back to the workstation)."""
         return {"cpus": self.cpus, "mem_mib": self.mem_mib, "gpus": self.gpus, "gpu_type": self.gpu_type,
                 "env": dict(self.env), "secrets": list(self.secrets), "metadata": dict(self.metadata),
-                "max_retries": self.max_retries}
+                "max_retries": self.max_retries, "image": self.image}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Resources":
@@ -57,7 +60,7 @@ class Resources:
         return cls(cpus=data.get("cpus"), mem_mib=data.get("mem_mib"), gpus=data.get("gpus"),
                    gpu_type=data.get("gpu_type"), env=dict(data.get("env") or {}),
                    secrets=tuple(data.get("secrets") or ()), metadata=dict(data.get("metadata") or {}),
-                   max_retries=data.get("max_retries"))
+                   max_retries=data.get("max_retries"), image=data.get("image"))
 
     @property
     def gres(self) -> str | None:
@@ -156,10 +159,14 @@ def parse_resources(settings: Mapping[str, Any]) -> Resources:
     retries = settings.get("max_retries")
     if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):
         raise TrainDefinitionError(f"@train max_retries={retries!r}: give a whole number >= 0")
+    image = settings.get("image")
+    if image is not None and (not isinstance(image, str) or not image.strip() or any(ord(c) < 32 for c in image)):
+        raise TrainDefinitionError(f"@train image={image!r}: give the image as one line of text (a .sif path, a "
+                                   "docker:// reference or an OCI bundle directory)")
     return Resources(cpus=parse_cpu(settings.get("cpu")), mem_mib=parse_memory(settings.get("memory")), gpus=gpus,
                      gpu_type=gpu_type, env={k: str(v) for k, v in env.items()}, secrets=tuple(secrets),
                      metadata={k: v if isinstance(v, str) else json.dumps(v, default=str) for k, v in metadata.items()},
-                     max_retries=retries)
+                     max_retries=retries, image=image)
 
 
 def launcher_defaults(resources: Resources) -> dict[str, Any]:
@@ -173,4 +180,6 @@ def launcher_defaults(resources: Resources) -> dict[str, Any]:
         out["gres"] = resources.gres
     if resources.max_retries is not None:
         out["max_retries"] = resources.max_retries
+    if resources.image is not None:
+        out["container.image"] = resources.image
     return out

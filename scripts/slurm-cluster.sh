@@ -22,7 +22,7 @@ LOG=/var/log/slurm
 GPU_DIR=/var/lib/slurm-fake-gpu
 CTLD_PID=$RUN/slurmctld.pid
 DBD_PID=$RUN/slurmdbd.pid
-PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge)
+PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge runc)
 
 say() { printf '%s\n' "$*"; }
 ok() { printf '  ok    %s\n' "$*"; }
@@ -215,6 +215,18 @@ write_gres_conf() {  # $1 = target file
     } >"$1"
 }
 
+write_oci_conf() {  # $1 = target file
+    # srun --container=BUNDLE runs the step in runc (a Debian package; crun 1.8 refuses hybrid cgroups); container ids carry the node name, as
+    # both nodes share this machine.
+    cat >"$1" <<'EOF'
+# Written by scripts/slurm-cluster.sh: srun --container=BUNDLE runs the step in runc.
+RunTimeQuery="runc --root=/run/slurm-oci state %n.%u.%j.%s.%t"
+RunTimeKill="runc --root=/run/slurm-oci kill -a %n.%u.%j.%s.%t"
+RunTimeDelete="runc --root=/run/slurm-oci delete --force %n.%u.%j.%s.%t"
+RunTimeRun="runc --root=/run/slurm-oci run %n.%u.%j.%s.%t -b %b"
+EOF
+}
+
 # install_conf WRITER TARGET MODE OWNER: writes the file only if its content changes; returns 0 when it changed
 install_conf() {
     local tmp changed=1
@@ -233,7 +245,7 @@ install_conf() {
 configs_current() {  # all three config files already hold what this script writes
     local tmp w f rc=0
     tmp=$(mktemp)
-    for w in write_slurm_conf:slurm.conf write_gres_conf:gres.conf write_slurmdbd_conf:slurmdbd.conf; do
+    for w in write_slurm_conf:slurm.conf write_gres_conf:gres.conf write_slurmdbd_conf:slurmdbd.conf write_oci_conf:oci.conf; do
         f=$ETC/${w#*:}
         [ -f "$f" ] || { rc=1; break; }
         "${w%%:*}" "$tmp"
@@ -249,7 +261,7 @@ gpu_files_current() {  # the fake GPUs are character devices (where mknod is not
 }
 
 # A daemon whose pid file (written when it started) is older than one of its config files, restarts.
-SLURM_FILES=("$ETC/slurm.conf" "$ETC/gres.conf")
+SLURM_FILES=("$ETC/slurm.conf" "$ETC/gres.conf" "$ETC/oci.conf")
 for _n in "${NODES[@]}"; do SLURM_FILES+=("$GPU_DIR/$_n/gpu0" "$GPU_DIR/$_n/gpu1"); done
 started_before() {  # started_before PIDFILE FILE...: one of the files changed after the daemon started
     local f
@@ -283,6 +295,7 @@ write_configs() {
     done
     install_conf write_slurm_conf "$ETC/slurm.conf" 0644 root:root || true
     install_conf write_gres_conf "$ETC/gres.conf" 0644 root:root || true
+    install_conf write_oci_conf "$ETC/oci.conf" 0644 root:root || true
     install_conf write_slurmdbd_conf "$ETC/slurmdbd.conf" 0600 slurm:slurm || true
     # Node names resolve to this machine (MASTER_ADDR for torch.distributed is a node name).
     for n in "${NODES[@]}"; do

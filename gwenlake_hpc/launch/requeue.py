@@ -8,6 +8,10 @@ SLURM reports it, not from which signal arrived (some clusters send ``--signal``
 The batch shell ignores SIGTERM (so that srun does not SIGKILL the step), so this code also runs after a
 preemption or a scancel. It then finds the job no longer RUNNING (COMPLETING, CANCELLED, PREEMPTED...): SLURM is
 ending the job itself and nothing is requeued here, whatever the remaining time.
+
+The module uses the standard library only and runs as a plain file too (``python3 requeue.py --rc ...``): a job
+in a container image runs its teardown on the host, whose Python may not have gwenlake_hpc
+(:mod:`gwenlake_hpc.launch.container` copies this file into the job's folder).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from ..errors import EXIT_EVICTED
+#: The exit status of an evicted training (:data:`gwenlake_hpc.errors.EXIT_EVICTED`; a test checks they agree).
+EXIT_EVICTED = 75
 
 log = logging.getLogger("gwenlake_hpc.launch.requeue")
 

@@ -26,7 +26,7 @@ def _flag(key: str, value: Any) -> str:
 
 
 def render_sbatch(command: str, folder: str | Path, params: Mapping[str, Any], *, setup: Sequence[str] = (),
-                  teardown: Sequence[str] = (), wckey: str = "submitit") -> str:
+                  teardown: Sequence[str] = (), wckey: str = "submitit", srun_args: Sequence[str] = ()) -> str:
     """The text of the sbatch script that runs ``command`` under ``srun``.
 
     Args:
@@ -37,6 +37,7 @@ def render_sbatch(command: str, folder: str | Path, params: Mapping[str, Any], *
             ``additional_parameters``: extra ``--key=value`` options such as ``requeue``).
         setup: shell lines before the step; teardown: after it.
         wckey: the ``--wckey`` submitit sets (kept so that both scripts are the same).
+        srun_args: more ``srun`` options (submitit's ``srun_args``), e.g. ``--container=BUNDLE``.
     """
     options = {k: v for k, v in params.items() if v is not None and k not in _NOT_SBATCH}
     options["wckey"] = wckey
@@ -50,7 +51,8 @@ def render_sbatch(command: str, folder: str | Path, params: Mapping[str, Any], *
     lines = ["#!/bin/bash", "", "# Parameters", *(_flag(k, options[k]) for k in sorted(options))]
     if setup:
         lines += ["", "# setup", *setup]
-    srun = " ".join(shlex.quote(a) for a in ["srun", "--unbuffered", "--output", stdout, "--error", stderr])
+    srun = " ".join(shlex.quote(a) for a in ["srun", "--unbuffered", "--output", stdout, "--error", stderr,
+                                                 *srun_args])
     lines += ["", "# command", "export SUBMITIT_EXECUTOR=slurm", f"{srun} {command}", ""]
     if teardown:
         lines += ["", "# teardown", *teardown]

@@ -97,7 +97,8 @@ def max_retries(lc: Any) -> int:
 def with_declared(lc: Any, res: Any) -> Any:
     """A copy of the launcher config ``lc`` with the resources ``res`` declared on ``@train`` (a
     :class:`gwenlake_hpc.resources.Resources`, or None) filled in where ``lc`` leaves them null:
-    ``cpus_per_task``, ``mem_gb``, ``gres`` (unless ``gpus_per_node`` is set), ``max_retries``; ``env`` merged
+    ``cpus_per_task``, ``mem_gb``, ``gres`` (unless ``gpus_per_node`` is set), ``max_retries``,
+    ``container.image``; ``env`` merged
     under ``launcher.env``; ``secrets`` added to ``launcher.secrets``. The job config and the command line
     therefore override the decorator."""
     from ..resources import launcher_defaults
@@ -107,6 +108,10 @@ def with_declared(lc: Any, res: Any) -> Any:
         return out
     for key, value in launcher_defaults(res).items():
         if key == "gres" and out.get("gpus_per_node") is not None:
+            continue
+        if key == "container.image":
+            if OmegaConf.select(out, "container.image") is None:
+                OmegaConf.update(out, "container.image", value, force_add=True)
             continue
         if out.get(key) is None:
             out[key] = value
@@ -234,15 +239,36 @@ class Submission:
 BOOT_PYTHON = f"{shlex.quote(sys.executable)} -m gwenlake_hpc.launch.boot"
 
 
-def _executor(folder: Path, params: Mapping[str, Any], setup: list[str], teardown: list[str]):
+def _executor(folder: Path, params: Mapping[str, Any], setup: list[str], teardown: list[str],
+              python: str = BOOT_PYTHON, srun_args: list[str] | None = None):
     import submitit
 
-    ex = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=0, python=BOOT_PYTHON)
-    ex.update_parameters(**params, setup=setup, teardown=teardown, stderr_to_stdout=False)
+    ex = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=0, python=python)
+    ex.update_parameters(**params, setup=setup, teardown=teardown, stderr_to_stdout=False,
+                         **({"srun_args": srun_args} if srun_args else {}))
     return ex
 
 
-def render_script(cfg: DictConfig, run_dir: Path) -> str:
+def container_step(lc: Any, job_cfg: Mapping[str, Any], folder: Path, write: bool):
+    """``launcher.container`` made ready for this job (None without an image); see
+    :func:`gwenlake_hpc.launch.container.prepare`. ``job_cfg`` is :func:`job_container`'s (absolute paths)."""
+    from .container import prepare
+
+    gpus = bool(lc.get("gpus_per_node") or str(lc.get("gres") or "").startswith("gpu"))
+    return prepare(lc, job_cfg["paths"], folder, Path.cwd(), job_cfg["job"]["target"], gpus_requested=gpus,
+                   write=write)
+
+
+def _step_parts(lc: Any, step: Any, secrets: Path | None) -> tuple[str, list[str], list[str], list[str]]:
+    """(interpreter command, setup lines, teardown lines, srun options) with or without a container."""
+    setup = setup_lines(lc, secrets)
+    if step is None:
+        return BOOT_PYTHON, setup, teardown_lines(lc), []
+    return (step.python(), setup + step.setup, step.teardown(max_retries(lc), int(lc.signal_delay_s)),
+            list(step.srun_args))
+
+
+def render_script(cfg: DictConfig, run_dir: Path, tracking_uri: str | None = None) -> str:
     """The sbatch script ``launcher=slurm`` would submit (``launcher.dry_run=true`` prints it)."""
     from .sbatch_script import render_sbatch
 
@@ -250,8 +276,10 @@ def render_script(cfg: DictConfig, run_dir: Path) -> str:
     folder = Path(lc.folder) if lc.get("folder") else run_dir / "slurm"
     params = sbatch_parameters(lc, job_name=_job_name(cfg, run_dir))
     secrets = folder / "secrets.env" if lc.get("secrets") else None
-    command = f"{BOOT_PYTHON} -u -m submitit.core._submit {shlex.quote(str(folder / '%j'))}"
-    return render_sbatch(command, folder / "%j", params, setup=setup_lines(lc, secrets), teardown=teardown_lines(lc))
+    step = container_step(lc, job_container(cfg, tracking_uri), folder, write=False)
+    python, setup, teardown, srun_args = _step_parts(lc, step, secrets)
+    command = f"{python} -u -m submitit.core._submit {shlex.quote(str(folder / '%j'))}"
+    return render_sbatch(command, folder / "%j", params, setup=setup, teardown=teardown, srun_args=srun_args)
 
 
 def _job_name(cfg: DictConfig, run_dir: Path) -> str:
@@ -277,14 +305,17 @@ def submit(cfg: DictConfig) -> Submission | None:
                     "jobs; use an MLflow server (tracking.uri=http://host:5000)", p.tracking_uri)
     if lc.dry_run:
         check_secrets(lc)
-        print(render_script(cfg, p.run_dir))
+        print(render_script(cfg, p.run_dir, p.tracking_uri))
         return None
     folder = Path(lc.folder) if lc.get("folder") else p.run_dir / "slurm"
-    folder.mkdir(parents=True, exist_ok=True)
     params = sbatch_parameters(lc, job_name=_job_name(cfg, p.run_dir))
-    secrets = write_secrets(lc, folder)
+    check_secrets(lc)
     container = job_container(cfg, p.tracking_uri)
-    ex = _executor(folder / "%j", params, setup_lines(lc, secrets), teardown_lines(lc))
+    container_step(lc, container, folder, write=False)  # refuse a bad container before writing anything
+    folder.mkdir(parents=True, exist_ok=True)
+    secrets = write_secrets(lc, folder)
+    python, setup, teardown, srun_args = _step_parts(lc, container_step(lc, container, folder, write=True), secrets)
+    ex = _executor(folder / "%j", params, setup, teardown, python=python, srun_args=srun_args)
     try:
         job = ex.submit(SlurmEntry(container))
     except Exception as exc:  # submitit raises on sbatch errors with sbatch's message

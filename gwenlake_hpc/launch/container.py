@@ -1,0 +1,382 @@
+"""The job step inside a container image (``launcher.container``): Apptainer/Singularity or SLURM's OCI support.
+
+- ``apptainer`` / ``singularity``: the step's command becomes ``apptainer exec [--nv] --bind ... IMAGE python3 -m
+  gwenlake_hpc.launch.boot ...``. Apptainer shares the host's process namespace, so SLURM's signals reach the
+  training as without a container (no init process in between).
+- ``oci``: ``srun --container=BUNDLE``. SLURM takes the bundle's ``config.json``, puts the step's command and
+  environment into it and runs it with the runtime named in the node's ``oci.conf`` (runc, crun). We write a
+  derived bundle in the job's folder: the user's ``config.json`` with the binds added and the root file system
+  given by absolute path, so the user's bundle is never modified.
+
+Both: the runs, data and model-repository roots, the job's folder and the submitting directory are bound at
+the same paths; the batch script computes the image's identity on the host at every start (a requeue runs it
+again) and exports it for the job (:mod:`gwenlake_hpc.run_environment`), and the requeue teardown runs on the
+host with its ``python3`` from a copy of :mod:`gwenlake_hpc.launch.requeue` (standard library only).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from ..errors import ConfigError
+from ..run_environment import (ENV_DIGEST, ENV_HOST_MNT_NS, ENV_IMAGE, ENV_PIN, ENV_RUNTIME,
+                               ENV_RUNTIME_VERSION)
+
+log = logging.getLogger("gwenlake_hpc.launch.container")
+
+RUNTIMES = ("apptainer", "singularity", "oci")
+#: Image references a runtime pulls itself (no file to check or hash on the host).
+REMOTE_SCHEMES = ("docker://", "oras://", "library://", "shub://", "http://", "https://")
+#: The NVIDIA container toolkit's OCI hook (``gpu`` with ``runtime=oci``).
+NVIDIA_HOOK = "nvidia-container-runtime-hook"
+#: Where SLURM looks for oci.conf: beside slurm.conf (``$SLURM_CONF``), the usual place, a configless node's cache.
+OCI_CONF_DIRS = ("/etc/slurm", "/run/slurm/conf", "/var/spool/slurmd/conf-cache")
+
+
+@dataclass(frozen=True)
+class ContainerStep:
+    """How the job step enters its container.
+
+    Attributes:
+        runtime: ``apptainer``, ``singularity`` or ``oci``.
+        image: the image as the job records it (absolute path, or the reference).
+        command: the words that start the image's Python (``apptainer exec ... IMAGE python3``; for ``oci``
+            just the interpreter: SLURM puts the whole command into the bundle).
+        srun_args: options for ``srun`` (``--container=BUNDLE`` for ``oci``).
+        setup: batch-script lines (host side): the environment and the image's identity for the job.
+        teardown_script: the standalone copy of the requeue teardown, run with the host's ``python3``.
+        binds: ``(source, destination, mode)`` bound into the container.
+    """
+
+    runtime: str
+    image: str
+    command: list[str]
+    srun_args: list[str] = field(default_factory=list)
+    setup: list[str] = field(default_factory=list)
+    teardown_script: str | None = None
+    binds: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def python(self, module: str = "gwenlake_hpc.launch.boot") -> str:
+        """The step's interpreter command (shell-quoted), e.g. for submitit's ``python`` parameter."""
+        return " ".join(shlex.quote(w) for w in [*self.command, "-m", module])
+
+    def teardown(self, max_retries: int, signal_delay_s: int) -> list[str]:
+        """The requeue teardown on the host (see :func:`gwenlake_hpc.launch.slurm.teardown_lines`)."""
+        return ["rc=$?",
+                f"python3 {shlex.quote(str(self.teardown_script))} --rc \"$rc\" --max-retries {int(max_retries)} "
+                f"--signal-delay {int(signal_delay_s)}",
+                "exit $?"]
+
+
+def is_remote_ref(image: str) -> bool:
+    """A reference the runtime pulls (``docker://...``), not a file on the cluster."""
+    return image.startswith(REMOTE_SCHEMES)
+
+
+def runtime_of(cc: Any, image_is_bundle: bool) -> str:
+    """``launcher.container.runtime``, or the one the image implies: ``oci`` for a bundle, else ``apptainer``.
+
+    Raises:
+        ConfigError: an unknown runtime.
+    """
+    runtime = cc.get("runtime")
+    if runtime is None:
+        return "oci" if image_is_bundle else "apptainer"
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"launcher.container.runtime={runtime}: use one of {', '.join(RUNTIMES)} "
+                          "(or null to choose from the image)")
+    return str(runtime)
+
+
+def parse_bind(text: str, cwd: Path) -> tuple[str, str, str]:
+    """``SRC[:DST[:ro|rw]]`` -> ``(source, destination, mode)``, paths absolute (a relative source is taken from
+    ``cwd``).
+
+    Raises:
+        ConfigError: an empty or relative destination, a mode other than ro/rw, a ``,`` in a path (Apptainer's
+            separator), a source that does not exist.
+    """
+    parts = str(text).split(":")
+    if not parts[0] or len(parts) > 3:
+        raise ConfigError(f"launcher.container.binds: {text!r}: give SRC, SRC:DST or SRC:DST:ro|rw")
+    src = str((cwd / Path(parts[0]).expanduser()).resolve())
+    dst = parts[1] if len(parts) > 1 and parts[1] else src
+    mode = parts[2] if len(parts) > 2 else "rw"
+    if mode not in ("ro", "rw"):
+        raise ConfigError(f"launcher.container.binds: {text!r}: the mode is ro or rw, not {mode!r}")
+    if not dst.startswith("/"):
+        raise ConfigError(f"launcher.container.binds: {text!r}: the destination must be an absolute path")
+    if "," in src or "," in dst:
+        raise ConfigError(f"launcher.container.binds: {text!r}: a path with ',' cannot be bound (Apptainer "
+                          "separates binds with it); rename it or bind its parent")
+    if not os.path.exists(src):
+        raise ConfigError(f"launcher.container.binds: {src} does not exist on this host: create it or drop the bind")
+    return src, dst, mode
+
+
+def job_binds(paths: Mapping[str, Any], folder: Path, cwd: Path, target: str | None,
+              extra: Iterable[str]) -> list[tuple[str, str, str]]:
+    """What the job needs inside: runs, data and model-repository roots, the job's folder, the submitting
+    directory and the target's file, then ``extra``; read-write, at the same paths; nested ones dropped."""
+    wanted = [paths.get("runs_root"), paths.get("data_root"), paths.get("model_repo"), str(folder), str(cwd)]
+    if target and target.rpartition(":")[0].endswith(".py"):
+        wanted.append(str(Path(target.rpartition(":")[0]).parent))
+    out: list[tuple[str, str, str]] = []
+    for p in wanted:
+        if p and os.path.isdir(p):
+            if "," in str(p):
+                raise ConfigError(f"launcher.container: {p} contains ',' and cannot be bound (Apptainer separates "
+                                  "binds with it): use a path without ','")
+            out.append((str(Path(p).resolve()), str(Path(p).resolve()), "rw"))
+    out += [parse_bind(b, cwd) for b in extra]
+    kept: list[tuple[str, str, str]] = []
+    for b in sorted(set(out), key=lambda b: (len(b[1]), b)):
+        if b[0] == b[1] and any(k[0] == k[1] and k[2] == b[2] and (b[1] + "/").startswith(k[1].rstrip("/") + "/")
+                                for k in kept):
+            continue  # inside a bind of the same path and mode already
+        kept.append(b)
+    return kept
+
+
+def oci_conf_path(environ: Mapping[str, str] = os.environ) -> Path | None:
+    """The node's ``oci.conf`` as SLURM finds it (beside ``$SLURM_CONF``, or in :data:`OCI_CONF_DIRS`)."""
+    dirs = [str(Path(environ["SLURM_CONF"]).parent)] if environ.get("SLURM_CONF") else []
+    for d in [*dirs, *OCI_CONF_DIRS]:
+        p = Path(d) / "oci.conf"
+        if p.is_file():
+            return p
+    return None
+
+
+def check_oci_conf(text: str, where: str) -> None:
+    """Refuse an ``oci.conf`` without a way to run a container; warn when ``RunTimeRun`` is not ``exec``-ed.
+
+    SLURM runs ``RunTimeRun`` through ``/bin/sh -c``: without ``exec`` the shell is the step's task, SLURM's
+    time-limit signal (SIGUSR2) kills it, and the training never gets it (seen on SLURM 22.05 with runc).
+
+    Raises:
+        ConfigError: neither ``RunTimeRun`` nor ``RunTimeCreate`` is set.
+    """
+    keys = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "=" in line:
+            k, v = line.split("=", 1)
+            keys[k.strip().lower()] = v.strip().strip('"')
+    if not keys.get("runtimerun") and not keys.get("runtimecreate"):
+        raise ConfigError(f"launcher.container.runtime=oci: {where} sets neither RunTimeRun nor RunTimeCreate, so "
+                          "SLURM cannot start a container; ask the cluster's admins, or use runtime=apptainer")
+    run = keys.get("runtimerun")
+    if run and not run.startswith("exec "):
+        log.warning("%s: RunTimeRun does not start with `exec`: SLURM runs it through /bin/sh, and the time-limit "
+                    "signal kills that shell instead of reaching the training (no final checkpoint). Ask the "
+                    "admins for RunTimeRun=\"exec runc ...\"", where)
+
+
+def _bundle_root(bundle: Path) -> tuple[dict[str, Any], Path]:
+    try:
+        spec = json.loads((bundle / "config.json").read_text())
+        root = spec["root"]["path"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"launcher.container.image={bundle}: config.json cannot be read as an OCI runtime spec "
+                          f"({exc}); make it with `runc spec` / `crun spec` or your image tool") from exc
+    rootfs = (bundle / root).resolve()
+    if not rootfs.is_dir():
+        raise ConfigError(f"launcher.container.image={bundle}: its root file system {rootfs} is not a directory")
+    return spec, rootfs
+
+
+def _mirror_rootfs(rootfs: Path, mirror: Path, covered: set[str], readonly: bool) -> list[dict[str, Any]]:
+    """Make ``mirror`` a root file system made of binds of ``rootfs``'s top-level entries (links copied as
+    links); returns the mounts. Entries that a mount of the spec covers (``/proc``, ``/dev``...) only get their
+    mount point."""
+    if mirror.is_symlink() or mirror.is_file():
+        mirror.unlink()
+    elif mirror.exists():
+        shutil.rmtree(mirror)
+    mirror.mkdir(parents=True)
+    mounts = []
+    for entry in sorted(os.scandir(rootfs), key=lambda e: e.name):
+        dst, target = "/" + entry.name, mirror / entry.name
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry.path), target)
+            continue
+        if entry.is_dir():
+            target.mkdir()
+        else:
+            target.touch()
+        if dst not in covered:
+            mounts.append({"destination": dst, "type": "bind", "source": entry.path,
+                           "options": ["rbind", "ro" if readonly else "rw"]})
+    return mounts
+
+
+def derived_bundle(bundle: Path, folder: Path, binds: Sequence[tuple[str, str, str]], gpu: bool,
+                   hook: str | None) -> Path:
+    """Write ``<folder>/oci-bundle/``: the user's spec with the binds added as mounts and, with ``gpu``, the
+    NVIDIA hook; returns the new bundle directory (the user's bundle is not modified).
+
+    SLURM 22.05 runs ``<bundle>/rootfs`` whatever the spec's ``root.path`` says, and runc refuses a root that is a
+    symbolic link, so the new bundle's ``rootfs`` is a directory of mount points: each top-level entry of the
+    user's root file system is bound there (read-only when the spec's root is), its links copied.
+    """
+    spec, rootfs = _bundle_root(bundle)
+    out = folder / "oci-bundle"
+    out.mkdir(parents=True, exist_ok=True)
+    user_mounts = list(spec.get("mounts") or [])
+    covered = {m.get("destination") for m in user_mounts}
+    readonly = bool((spec.get("root") or {}).get("readonly"))
+    mirror = _mirror_rootfs(rootfs, out / "rootfs", covered, readonly)
+    spec["root"] = {**spec["root"], "path": str((out / "rootfs").resolve())}
+    ours = {d for _, d, _ in binds}
+    mounts = mirror + [m for m in user_mounts if m.get("destination") not in ours]
+    mounts += [{"destination": d, "type": "bind", "source": s, "options": ["rbind", mode]} for s, d, mode in binds]
+    spec["mounts"] = mounts
+    if gpu and hook:
+        hooks = spec.setdefault("hooks", {})
+        hooks.setdefault("prestart", []).append({"path": hook, "args": [NVIDIA_HOOK, "prestart"]})
+    tmp = out / "config.json.tmp"
+    tmp.write_text(json.dumps(spec, indent=2))
+    os.replace(tmp, out / "config.json")
+    return out
+
+
+def identity_lines(runtime: str, image: str, folder: Path, pin: bool, rootfs: Path | None = None,
+                   spec_file: Path | None = None) -> list[str]:
+    """Batch-script lines (host side, every start) that export the image's identity for the job.
+
+    The digest is ``sha256:`` of the image file (cached by size, modification time and inode in
+    ``<folder>/image-digest``, so a requeue does not read a large image again), of ``config.json`` and a listing
+    (path, size, time, mode, link) of the root file system for a directory, or the reference's own
+    ``@sha256:`` digest (empty for an unpinned ``docker://`` reference).
+    """
+    q = shlex.quote
+    lines = [f"export {ENV_RUNTIME}={q(runtime)} {ENV_IMAGE}={q(image)} {ENV_PIN}={1 if pin else 0}",
+             f'export {ENV_HOST_MNT_NS}="$(readlink /proc/self/ns/mnt)"']
+    if runtime == "oci":
+        lines.append(f'{ENV_RUNTIME_VERSION}="$(srun --version 2>&1 | head -n 1)"')
+        # the runtime SLURM runs: the first word of RunTimeRun (or RunTimeCreate) in oci.conf, after `exec`
+        lines.append('gwl_oci="$(dirname "${SLURM_CONF:-/etc/slurm/slurm.conf}")/oci.conf"; '
+                     "gwl_rt=$(sed -n -E 's/^[[:space:]]*RunTime(Run|Create)[[:space:]]*=[[:space:]]*\"?(exec[[:space:]]+)?"
+                     "([^[:space:]\"]+).*/\\3/Ip' \"$gwl_oci\" 2>/dev/null | head -n 1)")
+        lines.append(f'[ -n "$gwl_rt" ] && {ENV_RUNTIME_VERSION}="${ENV_RUNTIME_VERSION}; $("$gwl_rt" --version 2>&1 '
+                     '| head -n 1)"')
+    else:
+        lines.append(f'{ENV_RUNTIME_VERSION}="$({q(runtime)} --version 2>&1 | head -n 1)"')
+    if is_remote_ref(image):
+        digest = image.split("@", 1)[1] if "@sha256:" in image else ""
+        lines.append(f"{ENV_DIGEST}={q(digest)}")
+    elif rootfs is not None:
+        spec = q(str(spec_file)) if spec_file else "/dev/null"
+        lines.append(f"{ENV_DIGEST}=sha256:$({{ cat {spec}; cd {q(str(rootfs))} && find . -xdev -printf "
+                     "'%P\\t%s\\t%T@\\t%m\\t%l\\n' | LC_ALL=C sort; } | sha256sum | cut -d ' ' -f 1)")
+    else:
+        cache = q(str(folder / "image-digest"))
+        lines += [f"gwl_img={q(image)}",
+                  "gwl_key=\"$(stat -L -c '%s %Y %i' -- \"$gwl_img\" 2>/dev/null) $gwl_img\"",
+                  f'if [ "$(sed -n 1p {cache} 2>/dev/null)" = "$gwl_key" ]; then {ENV_DIGEST}="$(sed -n 2p {cache})"; '
+                  f'else {ENV_DIGEST}="sha256:$(sha256sum < "$gwl_img" | cut -d \' \' -f 1)"; '
+                  f'printf \'%s\\n%s\\n\' "$gwl_key" "${ENV_DIGEST}" > {cache}; fi']
+    lines.append(f"export {ENV_RUNTIME_VERSION} {ENV_DIGEST}")
+    return lines
+
+
+def prepare(lc: Any, paths: Mapping[str, Any], folder: Path, cwd: Path, target: str | None = None,
+            gpus_requested: bool = False, which: Callable[[str], str | None] = shutil.which,
+            environ: Mapping[str, str] = os.environ, write: bool = True) -> ContainerStep | None:
+    """Check ``launcher.container`` and make what the step needs; None when no image is set.
+
+    Args:
+        lc: the launcher config (``lc.container``).
+        paths: absolute ``runs_root``, ``data_root``, ``model_repo`` (bound into the container).
+        folder: the job's log folder (``<run_dir>/slurm``): the derived bundle, the digest cache and the
+            teardown's copy go there.
+        cwd: the submitting directory (bound; relative binds start there).
+        target: ``job.target`` (a ``FILE.py:fn`` target's folder is bound).
+        gpus_requested: the job asks for GPUs (``gpu: null`` then means true).
+        which: finds a program on this host (the runtime, the NVIDIA hook).
+        write: False for a dry run (nothing is written; the bundle path is shown as it would be).
+
+    Raises:
+        ConfigError: unknown runtime, missing image or bundle, runtime not installed here, no ``oci.conf``,
+            bad binds or environment names, each naming the setting and the fix.
+    """
+    cc = lc.get("container") or {}
+    image = cc.get("image")
+    if not image:
+        return None
+    image = str(image)
+    local = not is_remote_ref(image)
+    image_path = (cwd / Path(image).expanduser()).resolve() if local else None
+    is_bundle = bool(image_path and image_path.is_dir() and (image_path / "config.json").is_file())
+    runtime = runtime_of(cc, is_bundle)
+    if local and not image_path.exists():  # type: ignore[union-attr]
+        raise ConfigError(f"launcher.container.image={image}: {image_path} does not exist; build or copy the image "
+                          "there (README: Containers), or fix the path")
+    if runtime == "oci":
+        if not is_bundle:
+            raise ConfigError(f"launcher.container.image={image}: runtime=oci needs an OCI bundle directory (a "
+                              "config.json and its root file system); for a .sif or docker:// image use "
+                              "runtime=apptainer")
+        conf = oci_conf_path(environ)
+        if conf is None:
+            raise ConfigError("launcher.container.runtime=oci: SLURM has no oci.conf on this host (looked beside "
+                              f"$SLURM_CONF and in {', '.join(OCI_CONF_DIRS)}); without it SLURM runs the step "
+                              "outside the container. Ask the cluster's admins to configure it, or use "
+                              "runtime=apptainer with a .sif image")
+        check_oci_conf(conf.read_text(), str(conf))
+    elif which(runtime) is None:
+        raise ConfigError(f"launcher.container.runtime={runtime}: `{runtime}` is not installed on this host (not "
+                          "in PATH); load it in launcher.setup is not enough here: install it, or choose the runtime "
+                          "the cluster has (apptainer, singularity, or oci for SLURM's --container)")
+    python = str(cc.get("python") or "python3")
+    if not python.strip() or any(c.isspace() or ord(c) < 32 for c in python):
+        raise ConfigError(f"launcher.container.python={python!r}: give one interpreter path or name, e.g. python3")
+    env = dict(cc.get("env") or {})
+    for name, value in env.items():
+        if not str(name).replace("_", "a").isalnum() or str(name)[0].isdigit():
+            raise ConfigError(f"launcher.container.env.{name}: not a valid environment variable name")
+        if any(ord(c) < 32 for c in str(value)):
+            raise ConfigError(f"launcher.container.env.{name}: give a single-line value")
+    gpu = cc.get("gpu")
+    gpu = gpus_requested if gpu is None else bool(gpu)
+    binds = job_binds(paths, folder, cwd, target, cc.get("binds") or [])
+    setup = [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()]
+    record = str(image_path) if local else image
+    if runtime == "oci":
+        hook = which(NVIDIA_HOOK) if gpu else None
+        if gpu and hook is None:
+            msg = (f"launcher.container.gpu: {NVIDIA_HOOK} (the NVIDIA container toolkit) is not installed here, "
+                   "so the OCI container would not see the GPUs")
+            if cc.get("gpu") is True:
+                raise ConfigError(msg + ": install the toolkit on the nodes, or set launcher.container.gpu=false")
+            log.warning("%s; set launcher.container.gpu=false to silence this", msg)
+        spec, rootfs = _bundle_root(image_path)  # type: ignore[arg-type]
+        bundle = derived_bundle(image_path, folder, binds, gpu, hook) if write else folder / "oci-bundle"  # type: ignore[arg-type]
+        setup += identity_lines(runtime, record, folder, bool(cc.get("pin")), rootfs=rootfs,
+                                spec_file=image_path / "config.json")  # type: ignore[operator]
+        command = [python]
+        srun_args = [f"--container={bundle}"]
+    else:
+        words = [runtime, "exec"] + (["--nv"] if gpu else [])
+        if binds:
+            words += ["--bind", ",".join(f"{s}:{d}:{m}" for s, d, m in binds)]
+        command = [*words, record, python]
+        rootfs = image_path if (image_path and image_path.is_dir()) else None  # a sandbox directory
+        setup += identity_lines(runtime, record, folder, bool(cc.get("pin")), rootfs=rootfs)
+        srun_args = []
+    teardown = folder / "gwenlake-requeue.py"
+    if write:
+        folder.mkdir(parents=True, exist_ok=True)
+        from . import requeue
+
+        shutil.copyfile(requeue.__file__, teardown)
+    return ContainerStep(runtime=runtime, image=record, command=command, srun_args=srun_args, setup=setup,
+                         teardown_script=str(teardown), binds=binds)
