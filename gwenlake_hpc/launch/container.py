@@ -219,9 +219,10 @@ def _mirror_rootfs(rootfs: Path, mirror: Path, covered: set[str], readonly: bool
 
 
 def derived_bundle(bundle: Path, folder: Path, binds: Sequence[tuple[str, str, str]], gpu: bool,
-                   hook: str | None) -> Path:
-    """Write ``<folder>/oci-bundle/``: the user's spec with the binds added as mounts and, with ``gpu``, the
-    NVIDIA hook; returns the new bundle directory (the user's bundle is not modified).
+                   hook: str | None, cwd: Path | None = None) -> Path:
+    """Write ``<folder>/oci-bundle/``: the user's spec with the binds added as mounts, the working directory
+    ``cwd`` (SLURM leaves the spec's, often ``/``) and, with ``gpu``, the NVIDIA hook; returns the new bundle
+    directory (the user's bundle is not modified).
 
     SLURM 22.05 runs ``<bundle>/rootfs`` whatever the spec's ``root.path`` says, and runc refuses a root that is a
     symbolic link, so the new bundle's ``rootfs`` is a directory of mount points: each top-level entry of the
@@ -239,6 +240,8 @@ def derived_bundle(bundle: Path, folder: Path, binds: Sequence[tuple[str, str, s
     mounts = mirror + [m for m in user_mounts if m.get("destination") not in ours]
     mounts += [{"destination": d, "type": "bind", "source": s, "options": ["rbind", mode]} for s, d, mode in binds]
     spec["mounts"] = mounts
+    if cwd is not None:
+        spec.setdefault("process", {})["cwd"] = str(cwd)
     if gpu and hook:
         hooks = spec.setdefault("hooks", {})
         hooks.setdefault("prestart", []).append({"path": hook, "args": [NVIDIA_HOOK, "prestart"]})
@@ -275,7 +278,7 @@ def identity_lines(runtime: str, image: str, folder: Path, pin: bool, rootfs: Pa
         lines.append(f"{ENV_DIGEST}={q(digest)}")
     elif rootfs is not None:
         spec = q(str(spec_file)) if spec_file else "/dev/null"
-        lines.append(f"{ENV_DIGEST}=sha256:$({{ cat {spec}; cd {q(str(rootfs))} && find . -xdev -printf "
+        lines.append(f"{ENV_DIGEST}=sha256:$({{ cat {spec}; cd {q(str(rootfs))} && find . -xdev ! -type d -printf "
                      "'%P\\t%s\\t%T@\\t%m\\t%l\\n' | LC_ALL=C sort; } | sha256sum | cut -d ' ' -f 1)")
     else:
         cache = q(str(folder / "image-digest"))
@@ -359,13 +362,13 @@ def prepare(lc: Any, paths: Mapping[str, Any], folder: Path, cwd: Path, target: 
                 raise ConfigError(msg + ": install the toolkit on the nodes, or set launcher.container.gpu=false")
             log.warning("%s; set launcher.container.gpu=false to silence this", msg)
         spec, rootfs = _bundle_root(image_path)  # type: ignore[arg-type]
-        bundle = derived_bundle(image_path, folder, binds, gpu, hook) if write else folder / "oci-bundle"  # type: ignore[arg-type]
+        bundle = derived_bundle(image_path, folder, binds, gpu, hook, cwd) if write else folder / "oci-bundle"  # type: ignore[arg-type]
         setup += identity_lines(runtime, record, folder, bool(cc.get("pin")), rootfs=rootfs,
                                 spec_file=image_path / "config.json")  # type: ignore[operator]
         command = [python]
         srun_args = [f"--container={bundle}"]
     else:
-        words = [runtime, "exec"] + (["--nv"] if gpu else [])
+        words = [runtime, "exec", "--pwd", str(cwd)] + (["--nv"] if gpu else [])
         if binds:
             words += ["--bind", ",".join(f"{s}:{d}:{m}" for s, d, m in binds)]
         command = [*words, record, python]

@@ -34,15 +34,18 @@ import sys
 import tempfile
 import time
 import uuid
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 from ..errors import EXIT_USAGE, ConfigError, GwenlakeError
 from ..resources import Resources
-from .slurm import JOBS_INDEX, check_secrets, sbatch_parameters, setup_lines, teardown_lines, with_declared
+from .container import ContainerStep, prepare
+from .slurm import (JOBS_INDEX, check_secrets, max_retries, sbatch_parameters, setup_lines, teardown_lines,
+                    with_declared)
 from .status import JobHandle
 from .ssh import RemoteCommandError, SshConnection, SshTarget, connection
 
@@ -316,13 +319,19 @@ def make_worktree(conn: SshConnection, remote_dir: str, sha: str, patch: bytes) 
     return wt, digest
 
 
-def remote_plan(conn: SshConnection, cc: Any, worktree: str, overrides: Sequence[str]) -> dict[str, Any]:
+def remote_plan(conn: SshConnection, cc: Any, worktree: str, overrides: Sequence[str],
+                container: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Compose and plan the job on the login node, in its worktree; returns the plan's facts (run_dir, ...).
+
+    ``container``: ``launcher.container`` and the GPU settings (plain data); the login node checks the image and
+    the runtime there and makes the container's files (see :func:`gwenlake_hpc.launch.container.prepare`); the
+    facts then hold ``container`` (the step's command, srun options, setup and teardown).
 
     Raises:
         ConfigError: the job config does not compose or plan there (the remote message is included).
     """
-    command = [str(cc.python), "-m", "gwenlake_hpc.launch.remote", "plan", *overrides]
+    extra = [f"--container={json.dumps(dict(container))}"] if container else []
+    command = [str(cc.python), "-m", "gwenlake_hpc.launch.remote", "plan", *extra, *overrides]
     script = f"cd {shlex.quote(worktree)}\n{_setup(cc)}exec {' '.join(shlex.quote(a) for a in command)}\n"
     rc, out, err = conn.script(script, check=False, timeout_s=900)
     line = next((ln for ln in reversed(out.splitlines()) if ln.startswith(PLAN_MARK)), None)
@@ -337,8 +346,10 @@ def remote_plan(conn: SshConnection, cc: Any, worktree: str, overrides: Sequence
 
 
 def render_remote_script(lc: Any, cc: Any, job_name: str, worktree: str, run_dir: str, overrides: Sequence[str],
-                         secrets_file: str | None, patch_file: str | None) -> str:
-    """The sbatch script of a remote job: same shape as ``launcher=slurm``'s, values shell-quoted.
+                         secrets_file: str | None, patch_file: str | None,
+                         container: Mapping[str, Any] | None = None) -> str:
+    """The sbatch script of a remote job: same shape as ``launcher=slurm``'s, values shell-quoted; ``container``
+    is the plan's ``container`` fact (a :class:`gwenlake_hpc.launch.container.ContainerStep` as a dict).
 
     Raises:
         ConfigError: bad launcher values (see :func:`gwenlake_hpc.launch.slurm.sbatch_parameters`).
@@ -355,7 +366,13 @@ def render_remote_script(lc: Any, cc: Any, job_name: str, worktree: str, run_dir
         setup.append(f"export GWENLAKE_CODE_PATCH={shlex.quote(patch_file)}")
         setup.append(f"export GWENLAKE_CODE_PATCH_SHA256={shlex.quote(posixpath.basename(patch_file)[:-5])}")
     teardown = teardown_lines(lc, python=str(cc.python))
-    return render_sbatch(command, f"{run_dir}/slurm", params, setup=setup, teardown=teardown)
+    srun_args: list[str] = []
+    if container:  # the step inside the image: the login node made its files (plan --container)
+        command = " ".join(shlex.quote(w) for w in container["command"]) + command[len(py):]
+        setup += list(container["setup"])
+        srun_args = list(container["srun_args"])
+        teardown = ContainerStep(**container).teardown(max_retries(lc), int(lc.signal_delay_s))
+    return render_sbatch(command, f"{run_dir}/slurm", params, setup=setup, teardown=teardown, srun_args=srun_args)
 
 
 def _write_remote_secrets(conn: SshConnection, lc: Any, remote_dir: str) -> str | None:
@@ -412,7 +429,9 @@ def submit_remote(cfg: DictConfig, cluster_name: str, task_overrides: Sequence[s
         if paths.get("model_repo"):
             path_ovs.append(f"paths.model_repo={_remote_path(remote_dir, str(paths.model_repo))}")
         job_ovs = [*overrides, *path_ovs]
-        facts = remote_plan(conn, cc, worktree, job_ovs)
+        ctr = {"container": OmegaConf.to_container(lc.container, resolve=True) if lc.get("container") else {},
+               "gpus_per_node": lc.get("gpus_per_node"), "gres": lc.get("gres"), "write": not lc.dry_run}
+        facts = remote_plan(conn, cc, worktree, job_ovs, ctr)
         if facts.get("resources"):  # @train(cpu=, memory=, gpu=, env=, secrets=...) under launcher.*
             lc = with_declared(lc, Resources.from_dict(facts["resources"]))
             check_secrets(lc)
@@ -426,10 +445,11 @@ def submit_remote(cfg: DictConfig, cluster_name: str, task_overrides: Sequence[s
         if lc.dry_run:
             print(render_remote_script(lc, cc, job_name, worktree, run_dir, job_ovs,
                                        f"{remote_dir}/.gwenlake/secrets/<random>.env" if lc.secrets else None,
-                                       patch_file))
+                                       patch_file, facts.get("container")))
             return None
         secrets_file = _write_remote_secrets(conn, lc, remote_dir)
-        script = render_remote_script(lc, cc, job_name, worktree, run_dir, job_ovs, secrets_file, patch_file)
+        script = render_remote_script(lc, cc, job_name, worktree, run_dir, job_ovs, secrets_file, patch_file,
+                                      facts.get("container"))
         conn.makedirs(f"{run_dir}/slurm")
         conn.makedirs(f"{remote_dir}/.gwenlake/scripts")
         script_path = f"{remote_dir}/.gwenlake/scripts/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}.sbatch"
@@ -648,6 +668,23 @@ def cli_submit(cfg: DictConfig) -> int:
     return 0 if final.state.startswith("COMPLETED") else 1
 
 
+def _plan_container(p: Any, cfg: Any, ctr: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The container step of a remote job, checked and made on the login node (see :func:`remote_plan`)."""
+    from .slurm import job_container
+
+    cc = dict(ctr.get("container") or {})
+    if not cc.get("image") and p.tf.resources.image:
+        cc["image"] = p.tf.resources.image  # @train(image=), as for launcher=slurm
+    if not cc.get("image"):
+        return None
+    lc = OmegaConf.create({"container": cc, "gpus_per_node": ctr.get("gpus_per_node"), "gres": ctr.get("gres")})
+    jc = job_container(cfg, p.tracking_uri)
+    gpus = bool(lc.gpus_per_node or str(lc.gres or "").startswith("gpu") or p.tf.resources.gpus)
+    step = prepare(lc, jc["paths"], p.run_dir / "slurm", Path.cwd(), jc["job"]["target"], gpus_requested=gpus,
+                   write=bool(ctr.get("write", True)))
+    return dataclasses.asdict(step) if step else None
+
+
 def _plan_main(overrides: list[str]) -> int:
     """On the cluster, in the job's worktree: compose the config, plan the job, print its facts as JSON."""
     from hydra import compose, initialize_config_dir
@@ -657,10 +694,15 @@ def _plan_main(overrides: list[str]) -> int:
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     register()
+    ctr = None
+    if overrides and overrides[0].startswith("--container="):
+        ctr = json.loads(overrides[0][len("--container="):])
+        overrides = overrides[1:]
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="gwenlake_plan"):
             cfg = compose(config_name="config", overrides=overrides)
         p = plan(cfg)
+        container = _plan_container(p, cfg, ctr) if ctr else None
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -671,7 +713,8 @@ def _plan_main(overrides: list[str]) -> int:
         raise
     print(PLAN_MARK + json.dumps({"run_dir": str(p.run_dir), "model": p.model_name, "run_key": p.key,
                                   "target": p.tf.target, "runs_root": str(p.runs_root),
-                                  "tracking_uri": p.tracking_uri, "resources": p.tf.resources.to_dict()}),
+                                  "tracking_uri": p.tracking_uri, "resources": p.tf.resources.to_dict(),
+                                  "container": container}),
           flush=True)
     return 0
 
