@@ -345,3 +345,22 @@ def test_done_when_churn_from_a_workstation_clone_through_sshd(sshd, tmp_path):
     assert lineage["datasets"]["training_set"]["rows"] == 5634
     print(f"churn over SSH: one command {elapsed:.1f} s, job {m.group(1)}, test_auc {metrics['test_auc']:.4f}, "
           f"code {head[:12]}")
+
+
+def test_a_container_job_over_ssh_is_checked_and_made_on_the_login_node(rc, tmp_path):
+    from oci_bundle import make_bundle
+
+    _, proc = rc.submit(f"cluster.launcher.container.image={tmp_path}/nothing", check=2)
+    assert "launcher.container.image" in proc.stdout + proc.stderr and "does not exist" in proc.stdout + proc.stderr
+    assert not (rc.remote / "runs").exists() or not list((rc.remote / "runs").rglob("oci-bundle"))
+    bundle = make_bundle(tmp_path / "bundle")
+    job, proc = rc.submit(f"cluster.launcher.container.image={bundle}",
+                          f"cluster.launcher.container.python={sys.executable}")
+    logs = rc.ws.run("logs", job, "-f", check=0, timeout=300)
+    version = re.search(r"model t\.model version ([0-9a-f]{40})", logs.stdout).group(1)
+    lineage = rc.lineage(version)
+    assert lineage["container"]["runtime"] == "oci" and lineage["container"]["image"] == str(bundle)
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", lineage["container"]["digest"])
+    script = (rc.remote / ".gwenlake" / "scripts").glob("*.sbatch")
+    text = next(script).read_text()
+    assert "--container=" in text and "gwenlake-requeue.py --rc" in text
