@@ -24,3 +24,8 @@ def test_our_template_is_submitits_line_for_line():
                                      **params)
         assert ours == theirs
         assert "#SBATCH --signal=USR2@" in ours and "#SBATCH --requeue" in ours
+        srun_args = ["--container=/runs/x/slurm/oci-bundle"]  # launcher.container with runtime=oci
+        ours = render_sbatch(command, "/runs/x/slurm/%j", params, setup=setup, teardown=teardown, srun_args=srun_args)
+        theirs = _make_sbatch_string(command=command, folder="/runs/x/slurm/%j", setup=setup, teardown=teardown,
+                                     srun_args=srun_args, **params)
+        assert ours == theirs and "--container=/runs/x/slurm/oci-bundle /usr/bin/python" in ours
