@@ -117,6 +117,9 @@ def test_oci_conf_without_run_is_refused_and_without_exec_warned(caplog):
 
 def test_oci_derived_bundle_mirrors_the_root_and_adds_the_binds(tmp_path, monkeypatch):
     bundle = make_bundle(tmp_path / "bundle")
+    spec = json.loads((bundle / "config.json").read_text())  # as `runc spec` writes it: its own pid and network
+    spec["linux"]["namespaces"] += [{"type": "pid"}, {"type": "network"}, {"type": "ipc"}]
+    (bundle / "config.json").write_text(json.dumps(spec))
     original = (bundle / "config.json").read_text()
     conf = tmp_path / "etc" / "oci.conf"
     conf.parent.mkdir()
@@ -131,6 +134,7 @@ def test_oci_derived_bundle_mirrors_the_root_and_adds_the_binds(tmp_path, monkey
     spec = json.loads((derived / "config.json").read_text())
     assert spec["root"]["path"] == str((derived / "rootfs").resolve()) and spec["root"]["readonly"] is True
     assert spec["process"]["cwd"] == str(tmp_path)  # SLURM leaves the spec's (/): the job starts where submitted
+    assert [n["type"] for n in spec["linux"]["namespaces"]] == ["mount", "ipc"]  # the node's network and processes
     mounts = {m["destination"]: m for m in spec["mounts"]}
     # the top level of the user's root: directories bound, links copied, covered paths only as mount points
     assert mounts["/gwenlake-test-image"]["source"] == str(bundle / "rootfs" / "gwenlake-test-image")

@@ -104,3 +104,15 @@ def test_a_pinned_job_refuses_a_changed_image_and_keeps_its_checkpoints(project,
     assert "launcher.container.pin=true: the container image changed" in text
     assert sorted(p.name for p in run_dir.glob("checkpoints/step-*")) == kept
     assert len(json.loads((run_dir / "run.json").read_text())["starts"]) == 1  # the refused start wrote nothing
+
+
+def test_a_sweep_in_a_container_is_one_array_and_every_task_records_the_image(project, tmp_path):
+    bundle = make_bundle(tmp_path / "bundle")
+    proc = project.run("-m", "+job=t", "launcher=slurm", "launcher.timeout_min=5", "launcher.partition=high",
+                       "launcher.wait=true", f"launcher.container.image={bundle}",
+                       f"launcher.container.python={sys.executable}", "job.params.lr=0.1,0.2", check=0, timeout=600)
+    assert len(re.findall(r"COMPLETED", proc.stdout)) >= 2, proc.stdout + proc.stderr
+    infos = [json.loads(p.read_text()) for p in (project.root / "runs" / "t.model").glob("*/run.json")]
+    assert len(infos) == 2
+    digests = {s["container"]["digest"] for info in infos for s in info["starts"]}
+    assert len(digests) == 1 and next(iter(digests)).startswith("sha256:")

@@ -240,6 +240,14 @@ def derived_bundle(bundle: Path, folder: Path, binds: Sequence[tuple[str, str, s
     mounts = mirror + [m for m in user_mounts if m.get("destination") not in ours]
     mounts += [{"destination": d, "type": "bind", "source": s, "options": ["rbind", mode]} for s, d, mode in binds]
     spec["mounts"] = mounts
+    # HPC-style: the host's network (MLflow, torch.distributed) and processes (SLURM's signals reach the
+    # training itself, not an init process that would ignore them)
+    linux = spec.setdefault("linux", {})
+    dropped = [n.get("type") for n in linux.get("namespaces") or [] if n.get("type") in ("network", "pid")]
+    if dropped:
+        linux["namespaces"] = [n for n in linux["namespaces"] if n.get("type") not in ("network", "pid")]
+        log.info("launcher.container: the job shares the node's %s namespace(s) (dropped from the bundle's spec)",
+                 " and ".join(dropped))
     if cwd is not None:
         spec.setdefault("process", {})["cwd"] = str(cwd)
     if gpu and hook:

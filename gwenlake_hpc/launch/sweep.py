@@ -12,8 +12,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError, GwenlakeError
 from . import status as slurm_status
-from .slurm import (SlurmEntry, Submission, _executor, job_container, record_job, sbatch_parameters, setup_lines,
-                    teardown_lines, with_declared, write_secrets)
+from .slurm import (SlurmEntry, Submission, _executor, _step_parts, check_secrets, container_step, job_container,
+                    record_job, sbatch_parameters, with_declared, write_secrets)
 
 log = logging.getLogger("gwenlake_hpc.launch.sweep")
 
@@ -52,11 +52,15 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
     lc = with_declared(configs[0][1].launcher, plans[0].tf.resources)  # @train(cpu=, memory=, gpu=...) under launcher.*
     runs_root = plans[0].runs_root
     folder = Path(lc.folder) if lc.get("folder") else runs_root / ".arrays" / time.strftime("%Y%m%d-%H%M%S")
-    folder.mkdir(parents=True, exist_ok=True)
     params = sbatch_parameters(lc, job_name=f"gwenlake-sweep:{plans[0].model_name}")
-    secrets = write_secrets(lc, folder)
-    ex = _executor(folder / "%j", params, setup_lines(lc, secrets), teardown_lines(lc))
+    check_secrets(lc)
     containers = [job_container(cfg, p.tracking_uri) for (_, cfg), p in zip(configs, plans)]
+    container_step(lc, containers[0], folder, write=False)  # one image for the array: refused before writing
+    folder.mkdir(parents=True, exist_ok=True)
+    secrets = write_secrets(lc, folder)
+    python, setup, teardown, srun_args = _step_parts(lc, container_step(lc, containers[0], folder, write=True),
+                                                     secrets)
+    ex = _executor(folder / "%j", params, setup, teardown, python=python, srun_args=srun_args)
     try:
         with ex.batch():
             jobs = [ex.submit(SlurmEntry(c)) for c in containers]
