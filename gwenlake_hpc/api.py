@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import os
 import re
@@ -197,6 +198,11 @@ DEFAULTS: dict[str, Any] = {
     "name": None, "image": None,
 }
 
+#: How ``TrainFunction.submit`` reaches a launcher: ``"module:function"``, resolved at the call and called as
+#: ``function(target, overrides, job)``. The decorator never imports a launcher (launchers import the job layer,
+#: which imports this module); a plug-in or a test may point it elsewhere.
+SUBMITTER = "gwenlake_hpc.launch.slurm:submit_training"
+
 #: Every decorated function, by target ``module:qualname``.
 REGISTRY: dict[str, "TrainFunction"] = {}
 
@@ -299,20 +305,8 @@ class TrainFunction:
         Raises:
             ConfigError: a bad override or launcher value. GwenlakeError: sbatch failed.
         """
-        from hydra import compose, initialize_config_dir
-
-        from .config import conf_dir, register
-        from .launch.slurm import submit
-        from .launch.status import JobHandle
-
-        register()
-        base = [f"+job={job}"] if job else [f"job.target={self.target}"]
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=[*base, "launcher=slurm", *overrides])
-        sub = submit(cfg)
-        if sub is None:
-            raise ConfigError("launcher.dry_run=true submits nothing; drop it to get a handle")
-        return JobHandle(sub.job_id, sub.run_dir)
+        module, _, name = SUBMITTER.partition(":")
+        return getattr(importlib.import_module(module), name)(self.target, overrides, job)
 
     def __repr__(self) -> str:
         return f"<training {self.target} -> {self.output.name}>"

@@ -121,13 +121,13 @@ def run_subcommand(argv: Sequence[str]) -> int:
             print(f"wrote {out} ({len(marks)} restart(s) marked at steps {marks})")
             return 0
         if args.command in ("status", "cancel", "logs"):
-            from .launch import status as slurm_status
+            from .launch import commands
 
             if args.command == "status":
-                return slurm_status.print_status(Path(args.runs_root), include_old=args.all)
+                return commands.print_status(Path(args.runs_root), include_old=args.all)
             if args.command == "cancel":
-                return slurm_status.cancel(args.job_id, Path(args.runs_root))
-            return slurm_status.print_logs(Path(args.runs_root), args.job_id, follow=args.follow,
+                return commands.cancel(args.job_id, Path(args.runs_root))
+            return commands.print_logs(Path(args.runs_root), args.job_id, follow=args.follow,
                                            stderr=args.stderr)
         if args.command == "tracking":
             from .tracking import sync as tracking_sync

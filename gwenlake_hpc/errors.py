@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 #: Exit status of a usage or configuration error (bad override, unknown job, missing dataset).
 EXIT_USAGE = 2
 #: Exit status of an evicted training (SIGTERM, SIGUSR2, Ctrl-C): not a success, retry later.
@@ -37,6 +39,20 @@ class DataError(ConfigError):
 
 class CheckpointError(GwenlakeError):
     """A checkpoint could not be written or read."""
+
+
+class DamagedFileError(CheckpointError):
+    """A file's bytes do not match the digest its checkpoint manifest recorded, or it is truncated.
+
+    Attributes:
+        path: the file.
+        checkpoint: the checkpoint directory holding it, or None outside a checkpoint.
+    """
+
+    def __init__(self, message: str, path: Path, checkpoint: Path | None = None):
+        super().__init__(message)
+        self.path = path
+        self.checkpoint = checkpoint
 
 
 class NonFiniteError(GwenlakeError):

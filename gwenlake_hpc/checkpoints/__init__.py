@@ -12,7 +12,7 @@
 
 from .store import (MANIFEST, RANKS_DIR, RUN_STATE, BufferPool, Checkpoint, CheckpointFormatError,
                     CheckpointStore, PendingCheckpoint, rank_state_name)
-from .tensorfile import DamagedFileError
+from ..errors import DamagedFileError
 from .writer import BackgroundWriter
 
 __all__ = ["MANIFEST", "RANKS_DIR", "RUN_STATE", "BufferPool", "Checkpoint", "CheckpointFormatError",

@@ -33,12 +33,14 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import CheckpointError, CheckpointFormatError, ConfigError
 from ..fsutil import fsync_dir
 from .digest import DEFAULT_ALGORITHM, entry_digest, file_digest
-from .tensorfile import DamagedFileError, HostBuffer, Snapshot, write_tensors
+
+if TYPE_CHECKING:
+    from .tensorfile import HostBuffer, Snapshot
 
 log = logging.getLogger("gwenlake_hpc.checkpoints")
 
@@ -152,6 +154,8 @@ class BufferPool:
 
     def take(self) -> HostBuffer:
         if self._next == len(self.buffers):
+            from .tensorfile import HostBuffer  # torch: loaded by the first checkpoint, not by `status`
+
             self.buffers.append(HostBuffer())
         self._next += 1
         return self.buffers[self._next - 1]
@@ -234,9 +238,13 @@ class PendingCheckpoint:
         rel = Path(path).absolute().relative_to(self.dir.absolute()).as_posix()
         if self._buffers is not None:
             self._snapshots = [(p, s) for p, s in self._snapshots if p != Path(path)]
+            from .tensorfile import Snapshot
+
             self._snapshots.append((Path(path), Snapshot(tensors, metadata, self._buffers.take())))
             self._recorded.pop(rel, None)
             return Path(path)
+        from .tensorfile import write_tensors
+
         size, digest = write_tensors(path, tensors, metadata)
         self._recorded[rel] = {"size": size, "digest": digest, "verify": "on_load"}
         return Path(path)

@@ -30,6 +30,8 @@ from typing import Any, Mapping
 
 import torch
 
+from ..errors import DamagedFileError  # noqa: F401 - raised here, defined with the other errors
+
 from ..errors import CheckpointError
 from ..fsutil import fsync_dir, mkstemp
 from .digest import CHUNK_BYTES, DEFAULT_ALGORITHM, new_hasher
@@ -50,20 +52,6 @@ _ORDER = {n: i for i, n in enumerate(["U64", "I64", "F64", "C64", "F32", "U32", 
                                        "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL"])}
 #: A header larger than this is not a safetensors header (safetensors' own limit is 100 MB).
 _MAX_HEADER = 100_000_000
-
-
-class DamagedFileError(CheckpointError):
-    """A file's bytes do not match the digest its checkpoint manifest recorded, or it is truncated.
-
-    Attributes:
-        path: the file.
-        checkpoint: the checkpoint directory holding it, or None outside a checkpoint.
-    """
-
-    def __init__(self, message: str, path: Path, checkpoint: Path | None = None):
-        super().__init__(message)
-        self.path = path
-        self.checkpoint = checkpoint
 
 
 @dataclass(frozen=True)

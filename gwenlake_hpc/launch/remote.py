@@ -44,7 +44,8 @@ from omegaconf import DictConfig, OmegaConf
 from ..errors import EXIT_USAGE, ConfigError, GwenlakeError
 from ..resources import Resources
 from .container import ContainerStep, prepare
-from .slurm import (JOBS_INDEX, check_secrets, max_retries, sbatch_parameters, setup_lines, teardown_lines,
+from .records import JOBS_INDEX, job_records
+from .slurm import (check_secrets, max_retries, sbatch_parameters, setup_lines, teardown_lines,
                     with_declared)
 from .status import JobHandle
 from .ssh import RemoteCommandError, SshConnection, SshTarget, connection
@@ -660,7 +661,6 @@ def cli_submit(cfg: DictConfig) -> int:
           "\n  follow it with: python -m gwenlake_hpc logs " + sub.job_id + " -f", flush=True)
     if not effective_launcher(cfg, task).wait:
         return 0
-    from .slurm import job_records
 
     record = next(r for r in reversed(job_records(_local_runs_root(cfg, Path.cwd()))) if r["job_id"] == sub.job_id)
     final = wait_remote(record)

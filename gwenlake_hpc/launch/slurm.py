@@ -10,24 +10,22 @@ script's teardown (:mod:`gwenlake_hpc.launch.requeue`) decides about requeueing 
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import re
 import shlex
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 from ..errors import EXIT_EVICTED, ConfigError, GwenlakeError
+from .records import record_job
 
 log = logging.getLogger("gwenlake_hpc.launch.slurm")
 
-JOBS_INDEX = ".gwenlake-jobs.jsonl"
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -325,6 +323,28 @@ def submit(cfg: DictConfig) -> Submission | None:
     return sub
 
 
+def submit_training(target: str, overrides: Sequence[str], job: str | None = None):
+    """``TrainFunction.submit``: compose the config of ``target`` (or of ``conf/job/<job>.yaml``) with
+    ``launcher=slurm`` and ``overrides``, submit it, return a :class:`gwenlake_hpc.launch.status.JobHandle`.
+
+    Raises:
+        ConfigError: a bad override or launcher value, or ``launcher.dry_run=true``. GwenlakeError: sbatch failed.
+    """
+    from hydra import compose, initialize_config_dir
+
+    from ..config import conf_dir, register
+    from .status import JobHandle
+
+    register()
+    base = [f"+job={job}"] if job else [f"job.target={target}"]
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*base, "launcher=slurm", *overrides])
+    sub = submit(cfg)
+    if sub is None:
+        raise ConfigError("launcher.dry_run=true submits nothing; drop it to get a handle")
+    return JobHandle(sub.job_id, sub.run_dir)
+
+
 def job_container(cfg: DictConfig, tracking_uri: str | None) -> dict[str, Any]:
     """The config a job receives: plain data, paths made absolute (the job may start elsewhere), no Hydra node."""
     container = OmegaConf.to_container(cfg, resolve=True)
@@ -340,33 +360,8 @@ def job_container(cfg: DictConfig, tracking_uri: str | None) -> dict[str, Any]:
     return container
 
 
-def record_job(p: Any, sub: Submission, target: str, overrides: list[str] | None = None) -> None:
-    """Append a submitted job to ``<runs_root>/.gwenlake-jobs.jsonl`` (read by status, logs, cancel)."""
-    record = {"job_id": sub.job_id, "run_dir": str(p.run_dir), "model": p.model_name, "run_key": p.key,
-              "target": target, "submitted": time.time(), "stdout": str(sub.stdout), "stderr": str(sub.stderr),
-              "folder": str(sub.folder), "overrides": overrides or []}
-    index = p.runs_root / JOBS_INDEX
-    index.parent.mkdir(parents=True, exist_ok=True)
-    with open(index, "a") as fh:
-        fh.write(json.dumps(record) + "\n")
-
-
 def _absolute_target(target: str) -> str:
     mod, _, name = target.rpartition(":")
     if mod.endswith(".py"):
         return f"{Path(mod).expanduser().resolve()}:{name}"
     return target
-
-
-def job_records(runs_root: Path) -> list[dict[str, Any]]:
-    """Jobs submitted from here (newest last), from ``<runs_root>/.gwenlake-jobs.jsonl``."""
-    path = Path(runs_root) / JOBS_INDEX
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out

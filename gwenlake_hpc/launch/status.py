@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoints import CheckpointStore
-from ..errors import ConfigError, GwenlakeError
+from ..errors import GwenlakeError
 from ..fsutil import read_json
-from .slurm import job_records
 
 #: Job states after which a job will not run again (a REQUEUED or PREEMPTED job will).
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
@@ -83,13 +82,9 @@ def restarts_from_record(info: dict, job_id: str) -> int | None:
 
 
 def job_status(record: dict, known: tuple[str, int | None] | None = None) -> JobStatus:
-    """Status of one submitted job record (see :func:`gwenlake_hpc.launch.slurm.job_records`); a record with a
-    ``cluster`` is asked over SSH (:mod:`gwenlake_hpc.launch.remote`). ``known``: (state, restarts) already
-    read (a whole array at once), so SLURM is not asked again."""
-    if record.get("cluster"):
-        from .remote import remote_job_status
-
-        return remote_job_status(record)
+    """Status of one job submitted to this host's SLURM (a record of :mod:`gwenlake_hpc.launch.records`;
+    :func:`gwenlake_hpc.launch.commands.any_job_status` also answers for jobs on a cluster over SSH). ``known``:
+    (state, restarts) already read (a whole array at once), so SLURM is not asked again."""
     state, restarts = known if known is not None else slurm_state(record["job_id"])
     run_dir = Path(record["run_dir"])
     info = read_json(run_dir / "run.json", default={}) or {}
@@ -103,75 +98,15 @@ def job_status(record: dict, known: tuple[str, int | None] | None = None) -> Job
                      (info.get("completed") or {}).get("version"), run_dir)
 
 
-def print_status(runs_root: Path, include_old: bool = False) -> int:
-    """The ``status`` command: one line per job submitted from here."""
-    records = job_records(runs_root)
-    if not include_old:
-        records = [r for r in records if time.time() - r.get("submitted", 0) < 86400]
-    if not records:
-        print(f"no jobs submitted from {runs_root.resolve()} (try --all)")
-        return 0
-    print(f"{'JOB':>10}  {'STATE':<12} {'RESTARTS':>8} {'STEP':>8}  MLFLOW RUN                        RUN")
-    for r in records:
-        try:
-            s = job_status(r)
-        except GwenlakeError as exc:  # a remote cluster out of reach: say so, go on with the other jobs
-            print(f"{r['job_id']:>10}  {'UNREACHABLE':<12} {'':>8} {'':>8}  {'-':<32}  {r['model']}/"
-                  f"{Path(r['run_dir']).name}  on {r.get('cluster')}: {str(exc).splitlines()[0]}")
-            continue
-        print(f"{s.job_id:>10}  {s.state:<12} {'' if s.restarts is None else s.restarts:>8} "
-              f"{'' if s.step is None else s.step:>8}  {s.tracking_run_id or '-':<32}  "
-              f"{r['model']}/{Path(r['run_dir']).name}" + (f"  version {s.version[:12]}" if s.version else "")
-              + (f"  on {r['cluster']}" if r.get("cluster") else ""))
-    return 0
-
-
-def cancel(job_id: str, runs_root: Path | None = None) -> int:
-    """``scancel`` a job; its run directory and checkpoints are kept. A job that ``runs_root``'s index records
-    as submitted to a remote cluster is cancelled there over SSH."""
-    remote = [r for r in job_records(runs_root) if r["job_id"] == job_id] if runs_root is not None else []
-    if remote and remote[-1].get("cluster"):
-        from .remote import cancel_remote
-
-        return cancel_remote(remote[-1])
+def scancel(job_id: str) -> int:
+    """``scancel`` a job of this host's SLURM; its run directory and checkpoints are kept. Returns 0, or 1 with
+    scancel's message printed."""
     proc = subprocess.run(["scancel", job_id], capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"error: scancel {job_id}: {proc.stderr.strip()}", file=sys.stderr)
         return 1
     print(f"cancelled {job_id}; its checkpoints are kept: submit the same job again to resume")
     return 0
-
-
-def _record(runs_root: Path, job_id: str) -> dict:
-    for r in reversed(job_records(runs_root)):
-        if r["job_id"] == job_id:
-            return r
-    raise ConfigError(f"job {job_id} was not submitted from {runs_root.resolve()} (see `status --all`)")
-
-
-def print_logs(runs_root: Path, job_id: str, follow: bool = False, stderr: bool = False) -> int:
-    """The ``logs`` command: print the job's log; with ``follow``, until the job reaches a final state."""
-    r = _record(runs_root, job_id)
-    if r.get("cluster"):
-        from .remote import print_remote_logs
-
-        return print_remote_logs(r, follow=follow, stderr=stderr)
-    path = Path(r["stderr" if stderr else "stdout"].replace("%j", job_id))
-    pos = 0
-    while True:
-        if path.exists():
-            with open(path, errors="replace") as fh:
-                fh.seek(pos)
-                chunk = fh.read()
-                pos = fh.tell()
-            sys.stdout.write(chunk)
-            sys.stdout.flush()
-        if not follow:
-            return 0
-        state, _ = slurm_state(job_id)
-        if state.split()[0] in FINAL_STATES:
-            return 0
-        time.sleep(1.0)
 
 
 def wait(job_id: str, run_dir: Path, timeout_s: float | None = None, poll_s: float = 2.0) -> JobStatus:
@@ -273,4 +208,4 @@ class JobHandle:
 
     def cancel(self) -> None:
         """scancel the job (checkpoints kept)."""
-        cancel(self.job_id)
+        scancel(self.job_id)
