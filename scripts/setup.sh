@@ -17,5 +17,5 @@ pip_install() {
   rm -f "$log"
 }
 pip_install "torch==${TORCH_VERSION:-2.13.0}"
-pip_install -e '.[test]'
+pip_install -e '.[test,examples]'
 .venv/bin/python -c "import gwenlake_hpc, torch; print('gwenlake_hpc', gwenlake_hpc.__version__, 'torch', torch.__version__)"
