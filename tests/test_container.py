@@ -84,6 +84,8 @@ def test_docker_reference_is_pulled_by_the_runtime(tmp_path):
     ({"image": "IMG", "binds": ["/etc:/e:rx"]}, ("apptainer",), "ro or rw"),
     ({"image": "IMG", "python": "python3 -u"}, ("apptainer",), "launcher.container.python"),
     ({"image": "IMG", "env": {"1BAD": "x"}}, ("apptainer",), "launcher.container.env.1BAD"),
+    ({"image": "IMG", "env": {"é": "x"}}, ("apptainer",), "launcher.container.env.é"),
+    ({"image": "IMG", "binds": ["/etc:/a\nb"]}, ("apptainer",), "control characters"),
 ])
 def test_bad_settings_are_refused_before_anything_is_written(tmp_path, settings, which, needle):
     image = tmp_path / "IMG"
@@ -127,7 +129,7 @@ def test_oci_derived_bundle_mirrors_the_root_and_adds_the_binds(tmp_path, monkey
     folder = tmp_path / "runs" / "slurm"
     step = ctr.prepare(lc(image=str(bundle), python="/venv/bin/python"), paths(tmp_path), folder, tmp_path,
                        environ={"SLURM_CONF": str(conf.parent / "slurm.conf")}, which=which_only())
-    derived = folder / "oci-bundle"
+    (derived,) = folder.glob("oci-bundle-*")  # one per submission: a later one never changes what this one runs
     assert step.runtime == "oci" and step.srun_args == [f"--container={derived}"]
     assert step.command == ["/venv/bin/python"]
     assert (bundle / "config.json").read_text() == original  # the user's bundle is untouched
@@ -143,6 +145,40 @@ def test_oci_derived_bundle_mirrors_the_root_and_adds_the_binds(tmp_path, monkey
     assert mounts[str(tmp_path)]["options"] == ["rbind", "rw"]
     destinations = [m["destination"] for m in spec["mounts"]]
     assert destinations.index(str(tmp_path)) > destinations.index("/tmp")  # ours after the spec's own
+    # the digest covers the spec that runs and the image's entries the container sees
+    assert any(f"cat {derived}/config.json" in line and "./gwenlake-test-image" in line for line in step.setup)
+    again = ctr.prepare(lc(image=str(bundle), python="/venv/bin/python"), paths(tmp_path), folder, tmp_path,
+                        environ={"SLURM_CONF": str(conf.parent / "slurm.conf")}, which=which_only())
+    assert again.srun_args != step.srun_args and (derived / "config.json").is_file()
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ({"root": {"path": 5}}, "no root.path"),
+    ({"root": {"path": None}}, "no root.path"),
+    ([1, 2], "no root.path"),
+    ({"root": {"path": "rootfs"}, "mounts": {"a": 1}}, "mounts must be a JSON array"),
+    ({"root": {"path": "rootfs"}, "mounts": [1]}, "arrays of objects"),
+    ({"root": {"path": "rootfs"}, "linux": "x"}, "linux must be a JSON object"),
+    ({"root": {"path": "rootfs"}, "process": []}, "process must be a JSON object"),
+])
+def test_a_malformed_bundle_spec_is_exit_2_before_anything_is_written(tmp_path, spec, needle):
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs").mkdir(parents=True)
+    (bundle / "config.json").write_text(json.dumps(spec))
+    folder = tmp_path / "f"
+    with pytest.raises(ConfigError, match=needle):
+        ctr.prepare(lc(image=str(bundle)), paths(tmp_path), folder, tmp_path, which=which_only())
+    assert not folder.exists()
+
+
+def test_a_sweep_binds_every_tasks_roots(tmp_path):
+    image = tmp_path / "train.sif"
+    image.write_bytes(b"x")
+    other = tmp_path.parent / (tmp_path.name + "-other-data")
+    other.mkdir()
+    step = ctr.prepare(lc(image=str(image)), paths(tmp_path), tmp_path / "f", tmp_path, which=which_only("apptainer"),
+                       write=False, more_paths=[str(other)])
+    assert f"{other}:{other}:rw" in step.command[step.command.index("--bind") + 1].split(",")
 
 
 def run_identity(lines, env=None):
@@ -174,14 +210,22 @@ def test_file_digest_is_sha256_and_cached_by_stat(tmp_path):
 
 def test_bundle_digest_follows_the_root_files_not_runtime_mount_points(tmp_path):
     bundle = make_bundle(tmp_path / "bundle", marker="one")
+    (bundle / "rootfs" / "opt").mkdir()
+    (bundle / "rootfs" / "opt" / "tool").write_text("v1\n")
+    entries = ["bin", "gwenlake-test-image", "opt"]
     lines = ctr.identity_lines("oci", str(bundle), tmp_path, pin=False, rootfs=bundle / "rootfs",
-                               spec_file=bundle / "config.json")
+                               spec_file=bundle / "config.json", entries=entries)
     first = run_identity(lines)[0]
     assert first.startswith("sha256:") and len(first) == 71
-    (bundle / "rootfs" / "work" / "mnt").mkdir(parents=True)  # a mount point made by the runtime: same image
+    (bundle / "rootfs" / "opt" / "mnt").mkdir()  # mount points a runtime makes: a directory, an empty file
+    (bundle / "rootfs" / "opt" / "lic.txt").touch()
+    (bundle / "rootfs" / "newtop").write_text("not seen by the container: its entries are fixed at submission\n")
     assert run_identity(lines)[0] == first
+    (bundle / "rootfs" / "opt" / "tool").write_text("v2, longer\n")
+    second = run_identity(lines)[0]
+    assert second != first
     (bundle / "rootfs" / "gwenlake-test-image").write_text("two, longer\n")
-    assert run_identity(lines)[0] != first
+    assert run_identity(lines)[0] not in (first, second)
 
 
 def test_unpinned_reference_has_no_digest_and_pinned_its_own(tmp_path):

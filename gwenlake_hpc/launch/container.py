@@ -19,8 +19,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
+import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -103,6 +106,8 @@ def parse_bind(text: str, cwd: Path) -> tuple[str, str, str]:
         ConfigError: an empty or relative destination, a mode other than ro/rw, a ``,`` in a path (Apptainer's
             separator), a source that does not exist.
     """
+    if any(ord(c) < 32 or ord(c) == 127 for c in str(text)):
+        raise ConfigError(f"launcher.container.binds: {text!r}: control characters (newlines) are not allowed")
     parts = str(text).split(":")
     if not parts[0] or len(parts) > 3:
         raise ConfigError(f"launcher.container.binds: {text!r}: give SRC, SRC:DST or SRC:DST:ro|rw")
@@ -122,10 +127,12 @@ def parse_bind(text: str, cwd: Path) -> tuple[str, str, str]:
 
 
 def job_binds(paths: Mapping[str, Any], folder: Path, cwd: Path, target: str | None,
-              extra: Iterable[str]) -> list[tuple[str, str, str]]:
+              extra: Iterable[str], more_paths: Sequence[str] = ()) -> list[tuple[str, str, str]]:
     """What the job needs inside: runs, data and model-repository roots, the job's folder, the submitting
-    directory and the target's file, then ``extra``; read-write, at the same paths; nested ones dropped."""
-    wanted = [paths.get("runs_root"), paths.get("data_root"), paths.get("model_repo"), str(folder), str(cwd)]
+    directory and the target's file, ``more_paths``, then ``extra``; read-write, at the same paths; nested ones
+    dropped."""
+    wanted = [paths.get("runs_root"), paths.get("data_root"), paths.get("model_repo"), str(folder), str(cwd),
+              *more_paths]
     if target and target.rpartition(":")[0].endswith(".py"):
         wanted.append(str(Path(target.rpartition(":")[0]).parent))
     out: list[tuple[str, str, str]] = []
@@ -181,13 +188,31 @@ def check_oci_conf(text: str, where: str) -> None:
 
 
 def _bundle_root(bundle: Path) -> tuple[dict[str, Any], Path]:
+    """The bundle's spec and root file system, checked for the fields we read or extend.
+
+    Raises:
+        ConfigError: ``config.json`` unreadable, not an object, without a string ``root.path``, or with
+            ``mounts``, ``process``, ``linux`` or ``hooks`` of the wrong JSON type; a root that is not a directory.
+    """
+    fix = "make it with `runc spec` / `crun spec` or your image tool"
     try:
         spec = json.loads((bundle / "config.json").read_text())
-        root = spec["root"]["path"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError) as exc:
         raise ConfigError(f"launcher.container.image={bundle}: config.json cannot be read as an OCI runtime spec "
-                          f"({exc}); make it with `runc spec` / `crun spec` or your image tool") from exc
-    rootfs = (bundle / root).resolve()
+                          f"({exc}); {fix}") from exc
+    root = spec.get("root") if isinstance(spec, dict) else None
+    if not isinstance(root, dict) or not isinstance(root.get("path"), str) or not root["path"]:
+        raise ConfigError(f"launcher.container.image={bundle}: config.json has no root.path (a string); {fix}")
+    shapes = {"mounts": list, "process": dict, "linux": dict, "hooks": dict}
+    for key, kind in shapes.items():
+        if key in spec and not isinstance(spec[key], kind):
+            raise ConfigError(f"launcher.container.image={bundle}: config.json's {key} must be a JSON "
+                              f"{'array' if kind is list else 'object'}; {fix}")
+    if not all(isinstance(m, dict) for m in spec.get("mounts") or []) or \
+            not all(isinstance(n, dict) for n in (spec.get("linux") or {}).get("namespaces") or []):
+        raise ConfigError(f"launcher.container.image={bundle}: config.json's mounts and linux.namespaces must be "
+                          f"arrays of objects; {fix}")
+    rootfs = (bundle / root["path"]).resolve()
     if not rootfs.is_dir():
         raise ConfigError(f"launcher.container.image={bundle}: its root file system {rootfs} is not a directory")
     return spec, rootfs
@@ -207,6 +232,7 @@ def _mirror_rootfs(rootfs: Path, mirror: Path, covered: set[str], readonly: bool
         dst, target = "/" + entry.name, mirror / entry.name
         if entry.is_symlink():
             os.symlink(os.readlink(entry.path), target)
+            mounts.append({"destination": dst, "type": "link", "source": entry.name})  # dropped by the caller
             continue
         if entry.is_dir():
             target.mkdir()
@@ -219,7 +245,7 @@ def _mirror_rootfs(rootfs: Path, mirror: Path, covered: set[str], readonly: bool
 
 
 def derived_bundle(bundle: Path, folder: Path, binds: Sequence[tuple[str, str, str]], gpu: bool,
-                   hook: str | None, cwd: Path | None = None) -> Path:
+                   hook: str | None, cwd: Path | None = None) -> tuple[Path, list[str]]:
     """Write ``<folder>/oci-bundle/``: the user's spec with the binds added as mounts, the working directory
     ``cwd`` (SLURM leaves the spec's, often ``/``) and, with ``gpu``, the NVIDIA hook; returns the new bundle
     directory (the user's bundle is not modified).
@@ -229,12 +255,16 @@ def derived_bundle(bundle: Path, folder: Path, binds: Sequence[tuple[str, str, s
     user's root file system is bound there (read-only when the spec's root is), its links copied.
     """
     spec, rootfs = _bundle_root(bundle)
-    out = folder / "oci-bundle"
-    out.mkdir(parents=True, exist_ok=True)
+    # One bundle per submission: a later submission of the same run must not change what a requeue of this one
+    # runs (its script names this folder).
+    out = folder / f"oci-bundle-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    out.mkdir(parents=True)
     user_mounts = list(spec.get("mounts") or [])
     covered = {m.get("destination") for m in user_mounts}
     readonly = bool((spec.get("root") or {}).get("readonly"))
     mirror = _mirror_rootfs(rootfs, out / "rootfs", covered, readonly)
+    entries = [m["destination"].lstrip("/") for m in mirror]  # what of the image the container sees
+    mirror = [m for m in mirror if m["type"] != "link"]
     spec["root"] = {**spec["root"], "path": str((out / "rootfs").resolve())}
     ours = {d for _, d, _ in binds}
     mounts = mirror + [m for m in user_mounts if m.get("destination") not in ours]
@@ -256,17 +286,19 @@ def derived_bundle(bundle: Path, folder: Path, binds: Sequence[tuple[str, str, s
     tmp = out / "config.json.tmp"
     tmp.write_text(json.dumps(spec, indent=2))
     os.replace(tmp, out / "config.json")
-    return out
+    return out, entries
 
 
 def identity_lines(runtime: str, image: str, folder: Path, pin: bool, rootfs: Path | None = None,
-                   spec_file: Path | None = None) -> list[str]:
+                   spec_file: Path | None = None, entries: Sequence[str] | None = None) -> list[str]:
     """Batch-script lines (host side, every start) that export the image's identity for the job.
 
     The digest is ``sha256:`` of the image file (cached by size, modification time and inode in
     ``<folder>/image-digest``, so a requeue does not read a large image again), of ``config.json`` and a listing
-    (path, size, time, mode, link) of the root file system for a directory, or the reference's own
-    ``@sha256:`` digest (empty for an unpinned ``docker://`` reference).
+    (path, size, time, mode, link) of the root file system's files for a directory (``entries``: only these
+    top-level entries, those an OCI container sees; directories and empty files, which runtimes create as mount
+    points, are not listed), or the reference's own ``@sha256:`` digest (empty for an unpinned ``docker://``
+    reference).
     """
     q = shlex.quote
     lines = [f"export {ENV_RUNTIME}={q(runtime)} {ENV_IMAGE}={q(image)} {ENV_PIN}={1 if pin else 0}",
@@ -286,8 +318,10 @@ def identity_lines(runtime: str, image: str, folder: Path, pin: bool, rootfs: Pa
         lines.append(f"{ENV_DIGEST}={q(digest)}")
     elif rootfs is not None:
         spec = q(str(spec_file)) if spec_file else "/dev/null"
-        lines.append(f"{ENV_DIGEST}=sha256:$({{ cat {spec}; cd {q(str(rootfs))} && find . -xdev ! -type d -printf "
-                     "'%P\\t%s\\t%T@\\t%m\\t%l\\n' | LC_ALL=C sort; } | sha256sum | cut -d ' ' -f 1)")
+        where = " ".join(q("./" + e) for e in entries) if entries is not None else "."
+        lines.append(f"{ENV_DIGEST}=sha256:$({{ cat {spec}; cd {q(str(rootfs))} && find {where} -xdev ! -type d "
+                     "! -empty -printf '%p\\t%s\\t%T@\\t%m\\t%l\\n' 2>/dev/null | LC_ALL=C sort; } | sha256sum "
+                     "| cut -d ' ' -f 1)")
     else:
         cache = q(str(folder / "image-digest"))
         lines += [f"gwl_img={q(image)}",
@@ -301,7 +335,8 @@ def identity_lines(runtime: str, image: str, folder: Path, pin: bool, rootfs: Pa
 
 def prepare(lc: Any, paths: Mapping[str, Any], folder: Path, cwd: Path, target: str | None = None,
             gpus_requested: bool = False, which: Callable[[str], str | None] = shutil.which,
-            environ: Mapping[str, str] = os.environ, write: bool = True) -> ContainerStep | None:
+            environ: Mapping[str, str] = os.environ, write: bool = True,
+            more_paths: Sequence[str] = ()) -> ContainerStep | None:
     """Check ``launcher.container`` and make what the step needs; None when no image is set.
 
     Args:
@@ -314,6 +349,8 @@ def prepare(lc: Any, paths: Mapping[str, Any], folder: Path, cwd: Path, target: 
         gpus_requested: the job asks for GPUs (``gpu: null`` then means true).
         which: finds a program on this host (the runtime, the NVIDIA hook).
         write: False for a dry run (nothing is written; the bundle path is shown as it would be).
+        more_paths: further folders to bind (the other tasks' roots and targets in a sweep: one image, one
+            bundle for the whole array).
 
     Raises:
         ConfigError: unknown runtime, missing image or bundle, runtime not installed here, no ``oci.conf``,
@@ -352,13 +389,13 @@ def prepare(lc: Any, paths: Mapping[str, Any], folder: Path, cwd: Path, target: 
         raise ConfigError(f"launcher.container.python={python!r}: give one interpreter path or name, e.g. python3")
     env = dict(cc.get("env") or {})
     for name, value in env.items():
-        if not str(name).replace("_", "a").isalnum() or str(name)[0].isdigit():
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)):
             raise ConfigError(f"launcher.container.env.{name}: not a valid environment variable name")
         if any(ord(c) < 32 for c in str(value)):
             raise ConfigError(f"launcher.container.env.{name}: give a single-line value")
     gpu = cc.get("gpu")
     gpu = gpus_requested if gpu is None else bool(gpu)
-    binds = job_binds(paths, folder, cwd, target, cc.get("binds") or [])
+    binds = job_binds(paths, folder, cwd, target, cc.get("binds") or [], more_paths)
     setup = [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()]
     record = str(image_path) if local else image
     if runtime == "oci":
@@ -370,9 +407,15 @@ def prepare(lc: Any, paths: Mapping[str, Any], folder: Path, cwd: Path, target: 
                 raise ConfigError(msg + ": install the toolkit on the nodes, or set launcher.container.gpu=false")
             log.warning("%s; set launcher.container.gpu=false to silence this", msg)
         spec, rootfs = _bundle_root(image_path)  # type: ignore[arg-type]
-        bundle = derived_bundle(image_path, folder, binds, gpu, hook, cwd) if write else folder / "oci-bundle"  # type: ignore[arg-type]
+        if write:
+            bundle, entries = derived_bundle(image_path, folder, binds, gpu, hook, cwd)  # type: ignore[arg-type]
+        else:  # a dry run writes nothing: the folder's name and the entries are what a submission would make
+            bundle, entries = folder / "oci-bundle-<submission>", sorted(e.name for e in os.scandir(rootfs))
+        # the spec that runs (written at submission) and the image's files that the container sees (live binds)
         setup += identity_lines(runtime, record, folder, bool(cc.get("pin")), rootfs=rootfs,
-                                spec_file=image_path / "config.json")  # type: ignore[operator]
+                                spec_file=bundle / "config.json", entries=entries)
+        setup.insert(0, f"# launcher.container: {runtime} {record} as {bundle}; binds "
+                        + ", ".join(f"{s}:{d}:{m}" for s, d, m in binds))
         command = [python]
         srun_args = [f"--container={bundle}"]
     else:

@@ -247,14 +247,22 @@ def _executor(folder: Path, params: Mapping[str, Any], setup: list[str], teardow
     return ex
 
 
-def container_step(lc: Any, job_cfg: Mapping[str, Any], folder: Path, write: bool):
+def container_step(lc: Any, job_cfg: Mapping[str, Any], folder: Path, write: bool,
+                   others: Sequence[Mapping[str, Any]] = ()):
     """``launcher.container`` made ready for this job (None without an image); see
-    :func:`gwenlake_hpc.launch.container.prepare`. ``job_cfg`` is :func:`job_container`'s (absolute paths)."""
+    :func:`gwenlake_hpc.launch.container.prepare`. ``job_cfg`` is :func:`job_container`'s (absolute paths);
+    ``others``: the other tasks' of a sweep, whose roots and targets are bound too."""
     from .container import prepare
 
     gpus = bool(lc.get("gpus_per_node") or str(lc.get("gres") or "").startswith("gpu"))
+    more = []
+    for c in others:
+        more += [v for v in c["paths"].values() if v]
+        mod = str(c["job"]["target"]).rpartition(":")[0]
+        if mod.endswith(".py"):
+            more.append(str(Path(mod).parent))
     return prepare(lc, job_cfg["paths"], folder, Path.cwd(), job_cfg["job"]["target"], gpus_requested=gpus,
-                   write=write)
+                   write=write, more_paths=more)
 
 
 def _step_parts(lc: Any, step: Any, secrets: Path | None) -> tuple[str, list[str], list[str], list[str]]:

@@ -55,11 +55,11 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
     params = sbatch_parameters(lc, job_name=f"gwenlake-sweep:{plans[0].model_name}")
     check_secrets(lc)
     containers = [job_container(cfg, p.tracking_uri) for (_, cfg), p in zip(configs, plans)]
-    container_step(lc, containers[0], folder, write=False)  # one image for the array: refused before writing
+    container_step(lc, containers[0], folder, write=False, others=containers[1:])  # refused before writing
     folder.mkdir(parents=True, exist_ok=True)
     secrets = write_secrets(lc, folder)
-    python, setup, teardown, srun_args = _step_parts(lc, container_step(lc, containers[0], folder, write=True),
-                                                     secrets)
+    step = container_step(lc, containers[0], folder, write=True, others=containers[1:])  # one image, one bundle
+    python, setup, teardown, srun_args = _step_parts(lc, step, secrets)
     ex = _executor(folder / "%j", params, setup, teardown, python=python, srun_args=srun_args)
     try:
         with ex.batch():
