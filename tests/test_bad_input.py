@@ -86,6 +86,7 @@ def trained_once(tmp_path_factory):
     (["+job=t", "tracking.uri=mysql://u@127.0.0.1/db"], "needs the Python package MySQLdb"),
     (["+job=t", "tracking.uri=sqlite:////proc/gwenlake/mlflow.db"], "the store's folder /proc/gwenlake cannot"),
 ])
+@pytest.mark.slow
 def test_config_errors_exit_2_and_delete_nothing(trained_once, args, needle):
     trained = trained_once
     before = snapshot(trained.root)
@@ -105,6 +106,7 @@ def test_missing_dataset(trained):
     assert snapshot(trained.root) == before
 
 
+@pytest.mark.slow
 def test_missing_column(trained):
     before = snapshot(trained.root)
     proc = trained.run("+job=t", "job.tracking=false", "job.steps=70", env={"GWL_TEST_BAD": "column"})

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pandas as pd
 
+import pytest
+
 GWENLAKE_TRAIN = str(Path(sys.executable).with_name("gwenlake-train"))
 
 
@@ -26,6 +28,7 @@ def test_list_finds_decorated_functions(project):
     assert "trainer.py:fit  -> t.model  steps=60 eval_every=10" in proc.stdout
 
 
+@pytest.mark.slow
 def test_train_steps_interrupt_and_resume(project):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "GWL_TEST_SLEEP": "0.01"}
     proc = subprocess.Popen([GWENLAKE_TRAIN, "--steps", "500", "fit", "job.tracking=false"], cwd=project.root,
@@ -58,6 +61,7 @@ def test_subcommands_are_not_overrides(project):
     assert proc.returncode == 2 and "not the tracking folder of a run" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_data_import_csv_then_show_and_train_on_it(project):
     csv = project.root / "rows.csv"
     pd.DataFrame({"a": [1.5, 2.5, 3.5], "label": ["x", "y", "x"]}).to_csv(csv, index=False)
@@ -83,6 +87,7 @@ def test_models_list_and_commit_by_hand(project):
     assert len(listed) == 2 and listed[0].startswith(sha) and "hand-tuned" in listed[0]
 
 
+@pytest.mark.slow
 def test_a_misused_decorator_is_reported_as_the_cause(project):
     """@train on a function without `run`, or without an Output: exit 2 naming what to change, by target or by
     name, never "has no attribute"."""

@@ -277,6 +277,7 @@ def test_decorator_image_is_the_default_the_config_overrides():
         parse_resources({"image": "a\nb"})
 
 
+@pytest.mark.slow
 def test_dry_run_shows_the_container_step_and_bad_image_exits_2(project):
     proc = project.run("+job=t", "launcher=slurm", "launcher.dry_run=true",
                        f"launcher.container.image={project.root}/none.sif", check=2)

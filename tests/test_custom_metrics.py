@@ -95,6 +95,7 @@ def test_unresolvable_host_is_off_with_a_warning(monkeypatch, caplog):
     custom_metrics.reset()
 
 
+@pytest.mark.slow
 def test_a_job_sends_one_gauge_per_step_equal_to_the_tracked_loss(observed_job):
     """statsd.host/port in the job config; the training's values are the MLflow run's loss points."""
     from mlflow import MlflowClient

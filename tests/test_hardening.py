@@ -10,7 +10,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 
+
+@pytest.mark.slow
 def test_files_follow_the_umask_so_teammates_can_read_them(project):
     """Datasets, run records, checkpoints, tracking state and exported models get the mode a plain open() gives
     (0644 files, 0755 folders with umask 022), not mkstemp's 0600."""
@@ -42,6 +45,7 @@ def test_files_follow_the_umask_so_teammates_can_read_them(project):
     assert seen["file"] > 10 and seen["dir"] > 3
 
 
+@pytest.mark.slow
 def test_a_handler_installed_by_the_training_does_not_swallow_an_eviction(project):
     """At step 12 the training installs its own SIGTERM handler; SIGTERM at step 25 still stops the loop at a step
     boundary with a checkpoint (exit 75), theirs is called too, and the rerun resumes and finishes."""
@@ -61,6 +65,7 @@ def _popen_job(project, *args, env=None):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_sigterm_while_starting_is_an_eviction_and_after_the_commit_is_ignored(project):
     # During start-up (Hydra, torch and the trainer loading): the training runs one step, checkpoints, exits 75.
     proc = _popen_job(project, "+job=t")
@@ -86,6 +91,7 @@ def test_sigterm_while_starting_is_an_eviction_and_after_the_commit_is_ignored(p
     assert proc.returncode == 0 and sent > 0, (proc.returncode, sent)
 
 
+@pytest.mark.slow
 def test_a_start_killed_between_its_commit_and_its_record_commits_no_second_version(project):
     """The state a SIGKILL leaves right after the version commit: the branch has the version, run.json does not.
     The rerun finds the version by its run key and final step and commits nothing new."""
@@ -114,6 +120,7 @@ def test_a_start_killed_between_its_commit_and_its_record_commits_no_second_vers
     assert len(list_versions(project.root, "t.model")) == 2
 
 
+@pytest.mark.slow
 def test_a_function_that_saves_no_model_or_returns_a_str_commits_nothing(project):
     from gwenlake_hpc.versioning import list_versions
 

@@ -13,6 +13,8 @@ import torch
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
+import pytest
+
 VERSION_PREFIX = "model t.model version "
 
 
@@ -49,6 +51,7 @@ def assert_one_point_per_step(client, run_id, key, steps):
     assert sorted(m.step for m in history) == list(steps)
 
 
+@pytest.mark.slow
 def test_sigterm_at_random_step_resumes_bit_identical(project):
     ref = project.run("+job=t", "paths.runs_root=ref", check=0)
     ref_version = version_of(ref)
@@ -96,6 +99,7 @@ def test_sigterm_at_random_step_resumes_bit_identical(project):
     assert (run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_external_sigterm_during_run(project):
     proc = project.popen("+job=t", "job.steps=400", env={"GWL_TEST_SLEEP": "0.01"})
     ck_dir = project.root / "runs" / "t.model"
@@ -112,6 +116,7 @@ def test_external_sigterm_during_run(project):
     assert_one_point_per_step(client, runs[0].info.run_id, "loss", range(1, 401))
 
 
+@pytest.mark.slow
 def test_sigkill_while_writing_checkpoint_uses_previous(project):
     ref_version = version_of(project.run("+job=t", "paths.runs_root=ref", check=0))
     killed = project.run("+job=t", env={"GWL_TEST_SIGKILL_IN_CKPT": "30"})
@@ -132,6 +137,7 @@ def test_sigkill_while_writing_checkpoint_uses_previous(project):
     assert_one_point_per_step(client, runs[0].info.run_id, "loss", range(1, 61))
 
 
+@pytest.mark.slow
 def test_longer_steps_extends_finished_run_and_params_start_new(project):
     v1 = version_of(project.run("+job=t", check=0))
     v2 = version_of(project.run("+job=t", "job.steps=80", check=0))
@@ -171,6 +177,7 @@ def test_second_process_on_the_same_run_is_refused(project):
     assert first.returncode == 0, out + err
 
 
+@pytest.mark.slow
 def test_changed_tracking_uri_does_not_repoint_the_first_run(project):
     project.run("+job=t", check=0)
     rd = run_dir_of(project)

@@ -49,6 +49,7 @@ def the_run(server):
     return client, runs[0]
 
 
+@pytest.mark.slow
 def test_server_down_mid_run_all_points_arrive(project, server):
     f = project.root
     pause = f"50:{f}/reached1:{f}/go1;200:{f}/reached2:{f}/go2"
@@ -75,6 +76,7 @@ def test_server_down_mid_run_all_points_arrive(project, server):
     assert run.data.params["params.batch_size"] == "16"
 
 
+@pytest.mark.slow
 def test_server_down_at_end_then_tracking_sync(project, server):
     f = project.root
     proc = project.popen("+job=t", "job.steps=120", f"tracking.uri={server.uri}", "tracking.flush_interval_s=0.2",
@@ -99,6 +101,7 @@ def test_server_down_at_end_then_tracking_sync(project, server):
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 121))
 
 
+@pytest.mark.slow
 def test_server_down_for_the_whole_run_then_sync_registers_the_version(project, server):
     """No MLflow run is ever attached during the training: the version is committed with its run pending, listed
     in pending_registrations.json with the command that completes it, and `tracking sync` registers it."""
@@ -125,6 +128,7 @@ def test_server_down_for_the_whole_run_then_sync_registers_the_version(project, 
     assert mv.tags["gwenlake.version"] == version and mv.run_id == run.info.run_id
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("next_start", ["rerun", "extend"])
 def test_server_down_for_the_whole_run_then_the_next_start_registers_the_version(project, server, next_start):
     """The version left pending is registered by the next start of the training, without `tracking sync`: a
@@ -150,6 +154,7 @@ def test_server_down_for_the_whole_run_then_the_next_start_registers_the_version
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, steps + 1))
 
 
+@pytest.mark.slow
 def test_a_rerun_of_a_finished_job_delivers_what_its_end_left(project):
     """The end of a run could not deliver (its delivery process was killed, MLflow was slow): the spool and the
     FINISHED status wait in the run directory. Rerunning the same command delivers them, like tracking sync."""

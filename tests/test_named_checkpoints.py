@@ -64,6 +64,7 @@ def test_outside_a_run_both_functions_say_so():
         gwenlake_hpc.last_checkpoint_path()
 
 
+@pytest.mark.slow
 def test_a_named_checkpoint_of_one_run_is_seen_by_the_next_and_listed(project):
     first = project.run("+job=t", "job.steps=20", "job.tracking=false", env={"GWL_TEST_NAMED": "experiment-one"},
                         check=0)

@@ -22,6 +22,7 @@ def server(tmp_path_factory):
     yield from mlflow_server_fixture(tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_promote_passes_refuses_worse_and_schema_change_then_rollback(tmp_path, server):
     p = make_scorer_project(tmp_path / "project")
     uri = f"tracking.uri={server.uri}"
@@ -89,6 +90,7 @@ def test_promote_passes_refuses_worse_and_schema_change_then_rollback(tmp_path, 
     assert "champion: " + better[:12] + " -> " + worse[:12] + "  rollback by " in listed
 
 
+@pytest.mark.slow
 def test_gate_refuses_unloadable_versions_and_reports_config_errors(tmp_path):
     p = make_scorer_project(tmp_path / "project")
     (tmp_path / "hand").mkdir()

@@ -80,6 +80,7 @@ def server(tmp_path_factory):
     yield from mlflow_server_fixture(tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_rollouts_and_tagged_series_through_an_mlflow_server(server):
     """The same trace calls over MLflow's REST API (PostgreSQL-backed where it answers), and a tagged series
     name the server accepts."""

@@ -268,6 +268,7 @@ def test_refused_names_are_dropped_alone(
 # reattach after eviction
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ending", ["close", "killed"])
 @pytest.mark.parametrize("store", ["sqlite", "server"])
 def test_reattach_after_eviction(
@@ -316,6 +317,7 @@ def test_reattach_after_eviction(
 # outages of a real server
 
 
+@pytest.mark.slow
 def test_server_outage_spools_then_delivers_once(
     live: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -359,6 +361,7 @@ def test_server_outage_spools_then_delivers_once(
     assert spool_empty(state_dir)
 
 
+@pytest.mark.slow
 def test_finish_while_server_down_then_sync(
     live: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -535,6 +538,7 @@ def test_sync_drops_points_already_stored_and_torn_lines(
 @pytest.mark.skipif(
     not postgres_available(), reason="needs PostgreSQL on 127.0.0.1:5432 and a driver (psycopg2)"
 )
+@pytest.mark.slow
 def test_postgresql_store_and_server(tmp_path: Path) -> None:
     # A server on a fresh PostgreSQL database, then a Tracker on that database directly.
     for server in serve(tmp_path / "pg-server", backend="postgresql"):

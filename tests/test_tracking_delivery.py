@@ -125,6 +125,7 @@ def test_the_training_process_never_imports_mlflow(tmp_path: Path) -> None:
     assert steps_of(client, run_id) == list(range(1, 201))
 
 
+@pytest.mark.slow
 def test_a_sigkilled_training_leaves_its_points_delivered_by_the_orphaned_delivery(tmp_path: Path) -> None:
     uri = default_uri(tmp_path)
     state = tmp_path / "tracking"
@@ -177,6 +178,7 @@ def test_the_delivery_process_ignores_sigterm_and_is_restarted_when_it_dies(
                if r.levelno == logging.WARNING)
 
 
+@pytest.mark.slow
 def test_a_delivery_process_killed_just_before_the_end_is_started_again_by_finish(tmp_path: Path) -> None:
     """The restart of a dead delivery process waits 30 s during the loop; at the end it is immediate."""
     uri = default_uri(tmp_path)

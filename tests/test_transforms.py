@@ -44,6 +44,7 @@ def test_bad_short_fits_fail_at_decoration(kwargs, fn, needle):
         train(data=Input("t.rows"), output=Output("t.model"), **kwargs)(fn)
 
 
+@pytest.mark.slow
 def test_a_short_fit_is_a_version_with_its_mlflow_run_and_runs_locally(project):
     done = project.run("job.target=trainer.py:short", "+job.params.lr=0.5", check=0)
     out = done.stdout + done.stderr
@@ -73,6 +74,7 @@ def test_a_short_fit_is_a_version_with_its_mlflow_run_and_runs_locally(project):
     assert local["mse"] == pytest.approx(metrics["mse"])
 
 
+@pytest.mark.slow
 def test_a_stop_signal_ends_a_short_fit_at_once_and_the_next_start_fits_again(project, tmp_path):
     """SIGTERM in the middle of a short fit: exit 75 without waiting for its end, nothing committed; a stale
     output file of the stopped start is not committed by the next one."""
