@@ -44,9 +44,15 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .errors import ConfigError, GwenlakeError
-from .versioning import (ALIAS_REF_PREFIX, MODEL_TRAILER, Plumbing, _as_repo, _git_dir, _identity_env,
-                         _read_blobs, _rev, _rev_any, _strip_trailers, default_model_repo, export_version,
+from .versioning import (ALIAS_REF_PREFIX, MODEL_TRAILER, Plumbing, default_model_repo, export_version,
                          list_versions, model_branch, open_model_repo, read_file)
+from .versioning import as_repo as _as_repo
+from .versioning import git_dir as _git_dir
+from .versioning import identity_env as _identity_env
+from .versioning import read_blobs as _read_blobs
+from .versioning import rev as _rev
+from .versioning import rev_any as _rev_any
+from .versioning import strip_trailers as _strip_trailers
 
 log = logging.getLogger("gwenlake_hpc.registry")
 
