@@ -12,7 +12,7 @@ import re
 
 from .errors import ConfigError
 
-__all__ = ["NAME_PART", "split_name", "check_name", "split_model_name", "check_alias", "is_hex_id"]
+__all__ = ["NAME_PART", "split_name", "check_name", "split_model_name", "is_alias", "check_alias", "is_hex_id"]
 
 #: One part of a ``group.name``: a letter or digit, then letters, digits, ``_`` or ``-``.
 NAME_PART = r"[A-Za-z0-9][A-Za-z0-9_-]*"
@@ -62,9 +62,14 @@ def split_model_name(model_name: str) -> tuple[str, str]:
     return parts
 
 
+def is_alias(value: object) -> bool:
+    """True when ``value`` is a valid alias name: a letter, then up to 62 letters, digits, ``_`` or ``-``."""
+    return isinstance(value, str) and _ALIAS_RE.fullmatch(value) is not None
+
+
 def check_alias(alias: str) -> str:
     """``alias`` when it is a valid alias name; ConfigError naming the accepted form otherwise."""
-    if not isinstance(alias, str) or not _ALIAS_RE.fullmatch(alias):
+    if not is_alias(alias):
         raise ConfigError(f"alias {alias!r}: use a name such as 'champion' (letters, digits, '_' and '-', "
                           "starting with a letter)")
     return alias
