@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from gwenlake_hpc.errors import ConfigError, DataError
-from gwenlake_hpc.fsutil import mkstemp
+from gwenlake_hpc.fsutil import fsync_dir, mkstemp
 from gwenlake_hpc.names import split_name
 
 log = logging.getLogger(__name__)
@@ -193,19 +193,6 @@ def content_revision(columns: Mapping[str, np.ndarray]) -> str:
 # --------------------------------------------------------------------------- writing
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # Some platforms/filesystems do not allow opening directories.
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_dataset(
     data_root: str | os.PathLike[str],
     name: str,
@@ -275,7 +262,7 @@ def write_dataset(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent, best_effort=True)
     return revision
 
 
