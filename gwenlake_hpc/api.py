@@ -20,22 +20,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .errors import ConfigError, TrainDefinitionError
+from .names import check_name, is_alias
 from .resources import parse_resources
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*\.[A-Za-z0-9][A-Za-z0-9_-]*$")
-
-
-def check_name(name: str, what: str) -> str:
-    """Validate a ``group.name`` (dataset or model name) and return it.
-
-    Raises:
-        ConfigError: not of the form ``group.name`` with letters, digits, ``_`` and ``-``.
-    """
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ConfigError(f"{what} {name!r} is not a valid name: use 'group.name' "
-                          "(letters, digits, '_' and '-', e.g. 'crm.churn-train')")
-    return name
-
 
 def resolve_params(tf: "TrainFunction", params: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
     """Check ``job.params`` against the function's config dataclass, if it has one.
@@ -158,7 +144,7 @@ class Model:
         self.name = check_name(name, "Model")
         if version is not None and alias is not None:
             raise ConfigError(f"Model({name!r}): give version= or alias=, not both")
-        if alias is not None and (not isinstance(alias, str) or not re.match(r"^[A-Za-z][A-Za-z0-9_-]{0,62}$", alias)):
+        if alias is not None and not is_alias(alias):
             raise ConfigError(f"Model({name!r}, alias={alias!r}): an alias is a name such as 'champion' "
                               "(letters, digits, '_' and '-', starting with a letter)")
         self.version = version

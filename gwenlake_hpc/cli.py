@@ -62,7 +62,7 @@ def _subcommand_parser() -> argparse.ArgumentParser:
     sync.add_argument("--uri", help="tracking URI to deliver to (default: the one the job used)")
     sync.add_argument("--timeout", type=float, default=60.0, help="seconds to keep trying (default 60)")
 
-    from .registry import add_models_parser
+    from .models_cli import add_models_parser
 
     add_models_parser(sub)  # list, show, commit, promote, rollback, push, register
     ck = sub.add_parser("checkpoints", help="named checkpoints of a model").add_subparsers(dest="action",
@@ -149,7 +149,7 @@ def run_subcommand(argv: Sequence[str]) -> int:
             left = (state / PENDING_REGISTRATIONS).is_file()
             return 0 if res["remaining"] == 0 and not left else 1
         if args.command == "models":
-            from .registry import models_command
+            from .models_cli import models_command
 
             return models_command(args)
     except GwenlakeError as exc:
@@ -162,7 +162,7 @@ def _list_named_checkpoints(runs_root: Path, model: str) -> int:
     """``checkpoints list MODEL``: one line each, oldest first, ``*`` marking ``latest``."""
     import datetime
 
-    from .api import check_name
+    from .names import check_name
     from .checkpoints.named import list_named
 
     check_name(model, "model")

@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import os
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,8 @@ import numpy as np
 import torch
 
 from gwenlake_hpc.errors import ConfigError, DataError
-from gwenlake_hpc.fsutil import mkstemp
+from gwenlake_hpc.fsutil import fsync_dir, mkstemp
+from gwenlake_hpc.names import split_name
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,6 @@ RESERVED_ATTRS = ("revision", "gwenlake_format", "columns")
 #: Dtype token of string columns in :attr:`Dataset.schema` and in the revision hash.
 STRING_DTYPE = "str"
 
-_PART = r"[A-Za-z0-9][A-Za-z0-9_-]*"
-_NAME_RE = re.compile(rf"^({_PART})\.({_PART})$")
 _IMPORT_HINT = "rewrite it with `python -m gwenlake_hpc data import`"
 # Rows per h5py read when hashing a file that lacks its revision attribute.
 _HASH_CHUNK_ROWS = 65536
@@ -53,13 +51,13 @@ _HASH_CHUNK_ROWS = 65536
 
 def _split_name(name: str) -> tuple[str, str]:
     """Return ``(group, name)`` of a dataset name; raise :class:`DataError` if malformed."""
-    match = _NAME_RE.match(name) if isinstance(name, str) else None
-    if match is None:
+    parts = split_name(name)
+    if parts is None:
         raise DataError(
             f"bad dataset name {name!r}: expected 'group.name' where each part is letters, digits,"
             " '_' or '-' and starts with a letter or digit (e.g. 'crm.churn-train')"
         )
-    return match.group(1), match.group(2)
+    return parts
 
 
 def dataset_path(data_root: str | os.PathLike[str], name: str) -> Path:
@@ -195,19 +193,6 @@ def content_revision(columns: Mapping[str, np.ndarray]) -> str:
 # --------------------------------------------------------------------------- writing
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # Some platforms/filesystems do not allow opening directories.
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_dataset(
     data_root: str | os.PathLike[str],
     name: str,
@@ -277,7 +262,7 @@ def write_dataset(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent, best_effort=True)
     return revision
 
 
@@ -819,7 +804,7 @@ class Catalog:
         found = []
         for p in self.data_root.glob("*/*.h5"):
             name = f"{p.parent.name}.{p.stem}"
-            if _NAME_RE.match(name) and p.is_file():
+            if split_name(name) is not None and p.is_file():
                 found.append(name)
         return sorted(found)
 

@@ -39,11 +39,23 @@ def mkdtemp(dir: str | os.PathLike, prefix: str) -> str:
     return path
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """fsync a directory, so a rename or a new entry in it survives a crash of the node."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_dir(path: str | os.PathLike, *, best_effort: bool = False) -> None:
+    """fsync a directory, so a rename or a new entry in it survives a crash of the node.
+
+    Raises OSError when the directory cannot be opened or synced, unless ``best_effort`` (some platforms and
+    file systems do not allow opening a directory: the data already written is then as durable as they make it).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        if best_effort:
+            return
+        raise
     try:
         os.fsync(fd)
+    except OSError:
+        if not best_effort:
+            raise
     finally:
         os.close(fd)
 

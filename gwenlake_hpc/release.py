@@ -32,7 +32,8 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .errors import ConfigError, GwenlakeError
-from .registry import LoadedModel, check_alias, check_batch, current_aliases, load_model, mlflow_set_alias, move_alias
+from .names import check_alias
+from .registry import LoadedModel, check_batch, current_aliases, load_model, mlflow_set_alias, move_alias
 
 log = logging.getLogger("gwenlake_hpc.release")
 
@@ -340,7 +341,7 @@ def find_run_dir(runs_root: Path, model_name: str, run: str) -> Path:
     Raises:
         ConfigError: no such run of ``model_name`` under ``runs_root`` (what was looked at is named).
     """
-    from .api import check_name
+    from .names import check_name
 
     check_name(model_name, "model")
     model_root = Path(runs_root) / model_name

@@ -22,9 +22,9 @@ from .state import (PENDING_STATUS_FILE, PENDING_TAGS_FILE, RUN_ID_FILE, TERMINA
                     state_dir_for)
 from .sync import sync
 from .tracker import NullTracker, Tracker, flatten
-from .uri import _redact_uri, default_uri, is_sqlite, redact_uri, validate_uri
+from .uri import default_uri, is_sqlite, redact_uri, validate_uri
 
 __all__ = ["ATTACH_COUNT_TAG", "PENDING_STATUS_FILE", "PENDING_TAGS_FILE", "RUN_ID_FILE", "SPOOL_DIR",
            "LEGACY_SPOOL_FILE", "TERMINAL_STATUSES", "TRACKING_JSON", "NullTracker", "Tracker", "default_uri",
            "flatten", "is_sqlite", "state_dir_for", "sync", "validate_uri", "BrokenStoreError",
-           "ensure_sqlite_store", "sqlite_path", "sqlite_uri", "redact_uri", "_redact_uri"]
+           "ensure_sqlite_store", "sqlite_path", "sqlite_uri", "redact_uri"]

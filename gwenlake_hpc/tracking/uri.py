@@ -131,9 +131,6 @@ def redact_uri(uri: str, keep_user: bool = False) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-_redact_uri = redact_uri  # the name other modules imported before the split
-
-
 def scrub(text: object, uri: str, limit: int = 300) -> str:
     """Return ``str(text)`` shortened, with the credentials of ``uri`` cut out.
 
