@@ -13,9 +13,12 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .api import Input, Model, Output, TrainFunction, resolve_params
+from .bindings import Input, Model, Output, resolve_params
+
+if TYPE_CHECKING:
+    from .api import TrainFunction
 from .errors import ConfigError
 from .run import Run, active, seed_everything
 from .signals import StopRequest
