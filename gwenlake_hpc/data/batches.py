@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -11,6 +12,9 @@ import numpy as np
 import torch
 
 from gwenlake_hpc.errors import ConfigError
+
+from .prefetch import prefetch_default, prefetched
+
 if TYPE_CHECKING:
     from .dataset import Dataset
 
@@ -63,8 +67,16 @@ class Batches:
     a full uniform permutation. With ``shuffle=False`` rows come in file order, read in windows
     of contiguous rows.
 
+    Prefetch (``prefetch=True``, the default unless the environment sets ``GWENLAKE_PREFETCH=0``):
+    the next window is read and permuted in a background thread while the training consumes the
+    current one, so the read overlaps with the step. The batches, their order and the resume
+    position are the same with and without it (the plan is computed before any read). The thread
+    starts at the first batch and is stopped and joined when the epoch's iterator ends, raises,
+    is closed or is garbage-collected; an error in the thread is raised in the training thread.
+
     Memory: at most one window (``block_rows * buffer_blocks`` rows of the selected columns) plus
-    one batch is held. Yielded batches are fresh arrays that do not pin the window.
+    one batch is held; two windows with prefetch (the current one and the next). Yielded batches
+    are fresh arrays that do not pin the window.
     """
 
     def __init__(
@@ -77,6 +89,7 @@ class Batches:
         *,
         block_rows: int = 1024,
         buffer_blocks: int = 64,
+        prefetch: bool | None = None,
     ) -> None:
         self.dataset = dataset
         self.batch_size = _positive_int(batch_size, "batch_size")
@@ -85,6 +98,8 @@ class Batches:
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
         self.columns = dataset._check_columns(columns)
+        # None: the environment decides (GWENLAKE_PREFETCH), read now so a bad value fails before the loop.
+        self.prefetch = prefetch_default() if prefetch is None else bool(prefetch)
 
     def __len__(self) -> int:
         rows = self.dataset.rows
@@ -156,6 +171,13 @@ class Batches:
             )
         return self._iterate(epoch, start, seed, n_batches)
 
+    def _window(self, plan: _Plan, epoch: int, seed: int, w: int) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+        """Window ``w`` read in plan order and its row permutation (None without shuffle)."""
+        window = self._load_window(plan, w)
+        size = int(plan.window_sizes[w])
+        perm = np.random.default_rng([seed, epoch, w]).permutation(size) if self.shuffle else None
+        return window, perm
+
     def _iterate(self, epoch: int, start: int, seed: int, n_batches: int) -> Iterator[dict[str, Any]]:
         if start >= n_batches:
             return
@@ -163,37 +185,42 @@ class Batches:
         end = n_batches * bs if self.drop_last else self.dataset.rows  # positions used this epoch
         plan = self._plan(epoch, seed)
         pos = start * bs
-        w = int(np.searchsorted(plan.offsets, pos, side="right")) - 1
+        first = int(np.searchsorted(plan.offsets, pos, side="right")) - 1
+        last = int(np.searchsorted(plan.offsets, end - 1, side="right")) - 1  # window of the last position used
+        load = functools.partial(self._window, plan, epoch, seed)
+        if self.prefetch:
+            windows = prefetched(load, range(first, last + 1), name=f"gwenlake-prefetch-{self.dataset.name}")
+        else:
+            windows = map(load, range(first, last + 1))
         batch = start
         need = min(bs, end - pos)
         pieces: list[dict[str, np.ndarray]] = []
-        while batch < n_batches:
-            window: dict[str, np.ndarray] | None = self._load_window(plan, w)
-            perm = (
-                np.random.default_rng([seed, epoch, w]).permutation(int(plan.window_sizes[w]))
-                if self.shuffle
-                else None
-            )
-            local = pos - int(plan.offsets[w])
-            size = int(plan.window_sizes[w])
-            while local < size and batch < n_batches:
-                take = min(need, size - local)
-                if perm is None:
-                    pieces.append({c: a[local : local + take].copy() for c, a in window.items()})  # type: ignore[union-attr]
-                else:
-                    idx = perm[local : local + take]
-                    pieces.append({c: a[idx] for c, a in window.items()})  # type: ignore[union-attr]
-                local += take
-                pos += take
-                need -= take
-                if need == 0:
-                    yield self._assemble(pieces)
-                    pieces = []
-                    batch += 1
-                    need = min(bs, end - pos)
-            # Drop this window before reading the next so at most one is held.
-            window = perm = None
-            w += 1
+        try:
+            for w in range(first, last + 1):
+                window: dict[str, np.ndarray] | None
+                window, perm = next(windows)
+                local = pos - int(plan.offsets[w])
+                size = int(plan.window_sizes[w])
+                while local < size and batch < n_batches:
+                    take = min(need, size - local)
+                    if perm is None:
+                        pieces.append({c: a[local : local + take].copy() for c, a in window.items()})  # type: ignore[union-attr]
+                    else:
+                        idx = perm[local : local + take]
+                        pieces.append({c: a[idx] for c, a in window.items()})  # type: ignore[union-attr]
+                    local += take
+                    pos += take
+                    need -= take
+                    if need == 0:
+                        yield self._assemble(pieces)
+                        pieces = []
+                        batch += 1
+                        need = min(bs, end - pos)
+                # Drop this window before taking the next so at most one (two with prefetch) is held.
+                window = perm = None
+        finally:
+            if self.prefetch:
+                windows.close()  # type: ignore[union-attr]  # stops and joins the thread, also when abandoned
 
     def _assemble(self, pieces: list[dict[str, np.ndarray]]) -> dict[str, Any]:
         out: dict[str, Any] = {}

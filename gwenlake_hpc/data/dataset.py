@@ -199,16 +199,21 @@ class Dataset:
         *,
         block_rows: int = 1024,
         buffer_blocks: int = 64,
+        prefetch: bool | None = None,
     ) -> Batches:
         """A resumable plan of batches over this dataset; see :class:`Batches`.
 
+        ``prefetch`` reads the next window in a background thread while the current one is
+        consumed (same batches, same order); None (the default) means on unless the environment
+        sets ``GWENLAKE_PREFETCH=0``.
+
         Raises :class:`DataError` for an unknown column (listing the available ones) and
         :class:`ConfigError` when ``batch_size``, ``block_rows`` or ``buffer_blocks`` is not an
-        integer >= 1.
+        integer >= 1, or ``GWENLAKE_PREFETCH`` is not one of 1/0/true/false/yes/no/on/off.
         """
         return Batches(
             self, batch_size, shuffle=shuffle, drop_last=drop_last, columns=columns,
-            block_rows=block_rows, buffer_blocks=buffer_blocks,
+            block_rows=block_rows, buffer_blocks=buffer_blocks, prefetch=prefetch,
         )
 
     def close(self) -> None:
