@@ -1,15 +1,20 @@
-"""Tests of the data input pipeline: background prefetch of batches (more to come: worker datasets, streaming writes)."""
+"""Tests of the data input pipeline: batch prefetch, DataLoader workers, streaming writes and chunked imports."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
-from gwenlake_hpc.data import Catalog, Dataset
-from gwenlake_hpc.errors import ConfigError
+from gwenlake_hpc.data import Catalog, Dataset, content_revision
+from gwenlake_hpc.errors import ConfigError, DataError
 
 
 @pytest.fixture
@@ -145,3 +150,154 @@ def test_prefetch_switch_from_the_environment(catalog, monkeypatch):
     with pytest.raises(ConfigError, match="GWENLAKE_PREFETCH='maybe'"):
         ds.batches(4)
     ds.close()
+
+
+# --------------------------------------------------------------------------- streaming writer
+
+
+def _columns(rows: int, offset: int = 0) -> dict[str, np.ndarray]:
+    idx = np.arange(offset, offset + rows, dtype=np.int64)
+    return {
+        "idx": idx,
+        "feat": np.stack([idx * 0.5, -idx * 1.0, idx % 7], axis=1).astype(np.float32),
+        "flag": idx % 2 == 0,
+        "text": np.array([f"ligne-{i}-é" for i in idx], dtype=object),
+    }
+
+
+def test_writer_in_chunks_gives_the_revision_of_a_whole_write(catalog):
+    whole = _columns(1000)
+    rev_whole = catalog.write("g.whole", whole, attrs={"origin": "test"})
+    assert rev_whole == content_revision(whole)
+    with catalog.writer("g.chunks", attrs={"origin": "test"}) as w:
+        for a, z in [(0, 1), (1, 1), (1, 400), (400, 999), (999, 1000)]:  # uneven, one empty
+            w.append({c: v[a:z] for c, v in whole.items()})
+        assert w.rows == 1000 and not catalog.exists("g.chunks")  # not visible before the end
+    assert w.revision == rev_whole
+    with catalog.open("g.chunks") as ds:
+        assert ds.revision == rev_whole and ds.rows == 1000 and ds.attrs == {"origin": "test"}
+        assert ds.schema == {"idx": ("<i8", ()), "feat": ("<f4", (3,)), "flag": ("|b1", ()), "text": ("str", ())}
+        assert ds._compute_revision() == rev_whole  # recomputed from the stored content
+        got = ds.read()
+    for col, want in whole.items():
+        np.testing.assert_array_equal(got[col], want)
+    assert sorted(p.name for p in (catalog.data_root / "g").iterdir()) == ["chunks.h5", "whole.h5"]
+    # Changing one value changes the revision.
+    changed = {c: v.copy() for c, v in whole.items()}
+    changed["feat"][700, 2] = 99
+    with catalog.writer("g.changed") as w:
+        w.append({c: v[:500] for c, v in changed.items()})
+        w.append({c: v[500:] for c, v in changed.items()})
+    assert w.revision == content_revision(changed) != rev_whole
+
+
+def test_writer_failures_publish_nothing_and_keep_the_old_version(catalog):
+    old = catalog.write("g.w", {"a": np.arange(3)})
+    with pytest.raises(DataError, match=r"column 'idx' is <f8 \[\] instead of <i8 \[\]"):
+        with catalog.writer("g.w") as w:
+            w.append(_columns(10))
+            w.append({**_columns(10, 10), "idx": np.arange(10, 20) * 1.0})
+    with pytest.raises(DataError, match=r"columns \['idx', 'feat'\] instead of"):
+        with catalog.writer("g.w") as w:
+            w.append(_columns(10))
+            w.append({c: v for c, v in _columns(10).items() if c in ("idx", "feat")})
+    with pytest.raises(RuntimeError, match="boom"):
+        with catalog.writer("g.w") as w:
+            w.append(_columns(10))
+            raise RuntimeError("boom")
+    with pytest.raises(DataError, match="at least one column"):
+        with catalog.writer("g.w"):
+            pass
+    with pytest.raises(DataError, match="reserved"):
+        catalog.writer("g.w", attrs={"revision": "x"})
+    assert sorted(p.name for p in (catalog.data_root / "g").iterdir()) == ["w.h5"]  # no temp file left
+    with catalog.open("g.w") as ds:
+        assert ds.revision == old and ds.rows == 3
+    assert catalog.names() == ["g.w"]
+
+
+def test_writer_killed_midway_leaves_no_dataset_visible(catalog, tmp_path):
+    old = catalog.write("g.k", {"a": np.arange(3)})
+    script = tmp_path / "kill.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "import numpy as np\n"
+        "from gwenlake_hpc.data import Catalog\n"
+        "w = Catalog(sys.argv[1]).writer('g.k')\n"
+        "w.append({'a': np.arange(1000)})\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script), str(catalog.data_root)], env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    left = sorted(p.name for p in (catalog.data_root / "g").iterdir())
+    assert len(left) == 2 and left[1] == "k.h5" and left[0].startswith(".k.") and left[0].endswith(".h5.tmp")
+    assert catalog.names() == ["g.k"]
+    with catalog.open("g.k") as ds:
+        assert ds.revision == old and ds.rows == 3
+
+
+# --------------------------------------------------------------------------- chunked import
+
+
+def test_chunked_csv_import_widens_across_chunks_and_matches_a_whole_read(catalog, tmp_path):
+    src = tmp_path / "t.csv"
+    src.write_text(
+        "n,code,x,city\n"
+        "1,007,1,Paris\n"
+        "2,008,2,\n"
+        "3,009,2.5,Brest\n"
+        ",abc,4,東京\n"      # a missing int and text in the third chunk of two rows
+        "5,010,5,a b\n"
+    )
+    rev = catalog.import_table(src, "g.csv", chunk_rows=2)
+    assert catalog.import_table(src, "g.csv1", chunk_rows=1) == rev
+    assert catalog.import_table(src, "g.csvall") == rev  # one chunk
+    with catalog.open("g.csv") as ds:
+        assert ds.schema == {"n": ("<f8", ()), "code": ("str", ()), "x": ("<f8", ()), "city": ("str", ())}
+        got = ds.read()
+    np.testing.assert_array_equal(got["n"], [1, 2, 3, np.nan, 5])
+    assert got["code"].tolist() == ["007", "008", "009", "abc", "010"]  # each cell as written
+    np.testing.assert_array_equal(got["x"], [1, 2, 2.5, 4, 5])
+    assert got["city"].tolist() == ["Paris", "", "Brest", "東京", "a b"]
+    assert rev == content_revision({
+        "n": np.array([1, 2, 3, np.nan, 5]), "code": np.array(["007", "008", "009", "abc", "010"]),
+        "x": np.array([1, 2, 2.5, 4, 5.0]), "city": np.array(["Paris", "", "Brest", "東京", "a b"]),
+    })
+
+
+def test_chunked_parquet_import_matches_a_whole_read(catalog, tmp_path):
+    n = 1000
+    frame = pd.DataFrame({
+        "id": np.arange(n, dtype=np.int32),
+        "score": np.linspace(0, 1, n, dtype=np.float32),
+        "maybe": pd.array([None if i == 900 else i for i in range(n)], dtype="Int64"),  # a null in a late chunk
+        "name": [f"n{i}" for i in range(n)],
+        "ok": [i % 3 == 0 for i in range(n)],
+    })
+    src = tmp_path / "t.parquet"
+    frame.to_parquet(src, index=False, row_group_size=128)
+    rev = catalog.import_table(src, "g.pq", chunk_rows=100)
+    assert catalog.import_table(src, "g.pqall", chunk_rows=10**6) == rev
+    with catalog.open("g.pq") as ds:
+        assert ds.schema == {"id": ("<i4", ()), "score": ("<f4", ()), "maybe": ("<f8", ()), "name": ("str", ()),
+                             "ok": ("|u1", ())}
+        got = ds.read()
+    maybe = np.arange(n, dtype=np.float64)
+    maybe[900] = np.nan
+    np.testing.assert_array_equal(got["maybe"], maybe)
+    assert rev == content_revision({
+        "id": np.arange(n, dtype=np.int32), "score": np.linspace(0, 1, n, dtype=np.float32), "maybe": maybe,
+        "name": np.array([f"n{i}" for i in range(n)]), "ok": (np.arange(n) % 3 == 0).astype(np.uint8),
+    })
+
+
+def test_data_import_command_streams_the_file(catalog, tmp_path):
+    src = tmp_path / "t.csv"
+    pd.DataFrame({"a": np.arange(10), "b": [f"x{i}" for i in range(10)]}).to_csv(src, index=False)
+    from gwenlake_hpc.cli import run_subcommand
+
+    assert run_subcommand(["data", "import", str(src), "g.cli", "--data-root", str(catalog.data_root)]) == 0
+    with catalog.open("g.cli") as ds:
+        assert ds.rows == 10 and ds.read(["b"])["b"].tolist()[-1] == "x9"
+        assert ds.revision == content_revision({"a": np.arange(10), "b": np.array([f"x{i}" for i in range(10)])})

@@ -12,13 +12,14 @@ have more dimensions (``features`` of shape ``[rows, d]``). Root attributes:
 Reading never loads the whole file: :meth:`Dataset.batches` streams windows of contiguous blocks
 (see :class:`Batches`), and an epoch can restart at any batch without reading the skipped ones.
 
-Modules (one concern each; they import only downwards in this list):
+Modules (one concern each; each imports only modules listed before it):
 
 * ``names``: dataset names and paths;
 * ``format``: on-disk constants, validation and normalization of columns;
 * ``revision``: the content hash;
-* ``write``: atomic writes (:func:`write_dataset`);
-* ``tables``: CSV/Parquet import (:func:`import_table`);
+* ``write``: atomic writes, whole (:func:`write_dataset`) or streamed in chunks (:class:`DatasetWriter`);
+* ``tables``: CSV/Parquet import in chunks (:func:`import_table`);
+* ``prefetch``: the background thread that reads the next window;
 * ``batches``: the resumable batch plan (:class:`Batches`);
 * ``dataset``: the reader (:class:`Dataset`);
 * ``catalog``: :class:`Catalog`, names to files.
@@ -33,7 +34,7 @@ from .format import FORMAT_VERSION, RESERVED_ATTRS, STRING_DTYPE
 from .names import dataset_path
 from .revision import content_revision
 from .tables import import_table
-from .write import write_dataset
+from .write import DatasetWriter, write_dataset
 
 __all__ = [
     "FORMAT_VERSION",
@@ -42,6 +43,7 @@ __all__ = [
     "Batches",
     "Catalog",
     "Dataset",
+    "DatasetWriter",
     "content_revision",
     "dataset_path",
     "import_table",

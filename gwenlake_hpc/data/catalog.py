@@ -12,8 +12,8 @@ from gwenlake_hpc.errors import DataError
 
 from .dataset import Dataset
 from .names import _NAME_RE, dataset_path
-from .tables import import_table
-from .write import write_dataset
+from .tables import IMPORT_CHUNK_ROWS, import_table
+from .write import DatasetWriter, write_dataset
 
 
 class Catalog:
@@ -59,9 +59,17 @@ class Catalog:
         """Write dataset ``name`` atomically; return its revision. See :func:`write_dataset`."""
         return write_dataset(self.data_root, name, columns, attrs)
 
-    def import_table(self, source: str | os.PathLike[str], name: str, columns: list[str] | None = None) -> str:
-        """Import a CSV/Parquet file as ``name``; return its revision. See :func:`import_table`."""
-        return import_table(source, self.data_root, name, columns)
+    def writer(self, name: str, attrs: Mapping[str, str] | None = None) -> DatasetWriter:
+        """A streaming writer of dataset ``name``: append chunks of rows, published atomically when the
+        ``with`` block ends. See :class:`~gwenlake_hpc.data.write.DatasetWriter`."""
+        return DatasetWriter(self.data_root, name, attrs)
+
+    def import_table(
+        self, source: str | os.PathLike[str], name: str, columns: list[str] | None = None,
+        chunk_rows: int = IMPORT_CHUNK_ROWS,
+    ) -> str:
+        """Import a CSV/Parquet file as ``name``, in chunks; return its revision. See :func:`import_table`."""
+        return import_table(source, self.data_root, name, columns, chunk_rows=chunk_rows)
 
     def __repr__(self) -> str:
         return f"Catalog({str(self.data_root)!r})"

@@ -16,7 +16,7 @@ from gwenlake_hpc.errors import ConfigError, DataError
 
 from .batches import Batches
 from .format import _IMPORT_HINT, FORMAT_VERSION, RESERVED_ATTRS, STRING_DTYPE
-from .revision import _HASH_CHUNK_ROWS, _hash_chunk, _hash_header, _new_hash
+from .revision import stored_revision
 
 log = logging.getLogger(__name__)
 
@@ -129,14 +129,7 @@ class Dataset:
             )
 
     def _compute_revision(self) -> str:
-        h = _new_hash()
-        for col in self.columns:
-            dtype_token, inner = self.schema[col]
-            _hash_header(h, col, dtype_token, (self.rows, *inner))
-            for a in range(0, self.rows, _HASH_CHUNK_ROWS):
-                chunk = self._read_slice(col, a, min(a + _HASH_CHUNK_ROWS, self.rows))
-                _hash_chunk(h, col, chunk, self._is_string[col])
-        return h.hexdigest()
+        return stored_revision({c: self.schema[c] for c in self.columns}, self.rows, self._read_slice)
 
     def _check_columns(self, columns: Sequence[str] | str | None) -> list[str]:
         if columns is None:

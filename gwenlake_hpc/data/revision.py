@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,3 +66,19 @@ def content_revision(columns: Mapping[str, np.ndarray]) -> str:
         _hash_chunk(h, col, arr, is_string)
     return h.hexdigest()
 
+
+def stored_revision(
+    schema: Mapping[str, tuple[str, tuple[int, ...]]], rows: int, read: Callable[[str, int, int], np.ndarray]
+) -> str:
+    """:func:`content_revision` of columns already stored, read back in chunks of 65536 rows.
+
+    ``schema`` maps each column, in order, to ``(dtype token, shape after rows)`` as in
+    :attr:`Dataset.schema`; ``read(col, start, stop)`` returns rows ``[start, stop)`` of ``col``
+    (strings as an object array of ``str``). Memory: one chunk of one column.
+    """
+    h = _new_hash()
+    for col, (dtype_token, inner) in schema.items():
+        _hash_header(h, col, dtype_token, (rows, *inner))
+        for a in range(0, rows, _HASH_CHUNK_ROWS):
+            _hash_chunk(h, col, read(col, a, min(a + _HASH_CHUNK_ROWS, rows)), dtype_token == STRING_DTYPE)
+    return h.hexdigest()
