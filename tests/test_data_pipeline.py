@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pandas as pd
 import pytest
 import torch
 
-from gwenlake_hpc.data import Catalog, Dataset, content_revision
+from gwenlake_hpc.data import Catalog, Dataset, IterableBatches, content_revision
 from gwenlake_hpc.errors import ConfigError, DataError
 
 
@@ -149,6 +150,44 @@ def test_prefetch_switch_from_the_environment(catalog, monkeypatch):
     monkeypatch.setenv("GWENLAKE_PREFETCH", "maybe")
     with pytest.raises(ConfigError, match="GWENLAKE_PREFETCH='maybe'"):
         ds.batches(4)
+    ds.close()
+
+
+# --------------------------------------------------------------------------- IterableBatches (DataLoader workers)
+
+
+def test_iterable_batches_pickle_and_shard_over_two_workers(catalog):
+    ds = _make(catalog, rows=203)
+    stream = IterableBatches(ds, 10, block_rows=7, buffer_blocks=3, seed=4, epoch=1)
+    ds.close()  # the stream holds no handle: the file is reopened in each worker
+    copy = pickle.loads(pickle.dumps(stream))
+    assert (copy.path, copy.name, len(copy)) == (stream.path, "crm.x", 21)
+    with Dataset(stream.path) as ref:
+        want = list(ref.batches(10, block_rows=7, buffer_blocks=3, prefetch=False).epoch(1, seed=4))
+    assert [b["idx"].tolist() for b in stream] == [b["idx"].tolist() for b in want]  # no workers: Batches.epoch
+
+    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2)
+    got = list(loader)
+    # Worker 0 yields batches 0..9, worker 1 batches 10..20; the loader alternates them.
+    order = [0, 10, 1, 11, 2, 12, 3, 13, 4, 14, 5, 15, 6, 16, 7, 17, 8, 18, 9, 19, 20]
+    assert [b["idx"].tolist() for b in got] == [want[i]["idx"].tolist() for i in order]
+    assert sorted(np.concatenate([b["idx"].numpy() for b in got]).tolist()) == list(range(203))
+    assert got[1]["feat"].dtype == torch.float32 and got[1]["feat"].shape == (10, 2)
+    assert list(got[1]["text"]) == [f"row-{i}" for i in got[1]["idx"].tolist()]
+    stream.set_epoch(2)
+    again = [b["idx"].tolist() for b in torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2)]
+    assert again != [b["idx"].tolist() for b in got]  # a new epoch, a new order
+    assert sorted(i for b in again for i in b) == list(range(203))
+
+
+def test_iterable_batches_checks_arguments_in_the_main_process(catalog):
+    ds = _make(catalog, rows=20)
+    with pytest.raises(DataError, match="nope"):
+        IterableBatches(ds, 4, columns=["nope"])
+    with pytest.raises(ConfigError, match="batch_size"):
+        IterableBatches(ds.path, 0)
+    with pytest.raises(ConfigError, match="seed"):
+        IterableBatches(ds.path, 4, seed=-1)
     ds.close()
 
 

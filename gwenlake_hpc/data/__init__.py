@@ -22,6 +22,7 @@ Modules (one concern each; each imports only modules listed before it):
 * ``prefetch``: the background thread that reads the next window;
 * ``batches``: the resumable batch plan (:class:`Batches`);
 * ``dataset``: the reader (:class:`Dataset`);
+* ``loader``: :class:`IterableBatches`, a torch ``IterableDataset`` for ``DataLoader`` workers;
 * ``catalog``: :class:`Catalog`, names to files.
 """
 
@@ -31,6 +32,7 @@ from .batches import Batches
 from .catalog import Catalog
 from .dataset import Dataset
 from .format import FORMAT_VERSION, RESERVED_ATTRS, STRING_DTYPE
+from .loader import IterableBatches
 from .names import dataset_path
 from .revision import content_revision
 from .tables import import_table
@@ -44,6 +46,7 @@ __all__ = [
     "Catalog",
     "Dataset",
     "DatasetWriter",
+    "IterableBatches",
     "content_revision",
     "dataset_path",
     "import_table",
