@@ -87,7 +87,7 @@ def test_prefetch_thread_is_joined_when_done_closed_or_dropped(catalog):
 
 
 def test_prefetch_reads_at_most_one_window_ahead_and_never_the_skipped_ones(catalog, monkeypatch):
-    # 210 rows, blocks of 7, windows of 3 blocks: ten windows of exactly 21 rows.
+    # 210 rows, blocks of 7, windows of 3 blocks: ten windows of exactly 21 rows; batches of 5.
     ds = _make(catalog, rows=210)
     reads: list[tuple[int, int]] = []
     real = ds._read_slice
@@ -98,19 +98,26 @@ def test_prefetch_reads_at_most_one_window_ahead_and_never_the_skipped_ones(cata
 
     monkeypatch.setattr(ds, "_read_slice", counting)
     b = ds.batches(5, columns=["idx"], block_rows=7, buffer_blocks=3, prefetch=True)
-    for k in [0, 20, 41]:
+    plan = b._plan(2, 1)
+
+    def window_rows(w: int) -> set[int]:
+        return {r for blk in plan.order[w * 3 : (w + 1) * 3].tolist() for r in range(blk * 7, min(blk * 7 + 7, 210))}
+
+    ahead = 5  # ceil(21 / 5) batches: one window of rows
+    for k in [0, 20, 38, 41]:
         reads.clear()
         it = b.epoch(2, start=k, seed=1)
         first = next(it)
         it.close()  # joins the thread: no read runs after this
-        w = (k * 5) // 21
-        plan = b._plan(2, 1)
-        skipped_rows = {r for blk in plan.order[: w * 3].tolist() for r in range(blk * 7, blk * 7 + 7)}
         read_rows = {r for a, z in reads for r in range(a, z)}
+        assert sum(z - a for a, z in reads) == len(read_rows)  # no row read twice
         assert set(first["idx"].tolist()) <= read_rows
-        assert not read_rows & skipped_rows, k
-        # The window of the batch, plus at most the next one (batch 41 ends in the last window).
-        assert 21 <= sum(z - a for a, z in reads) <= 42, k
+        # Only the windows of the positions of the batch taken and of the batches made ahead of it.
+        first_w, last_w = (k * 5) // 21, (min((k + 1 + ahead) * 5, 210) - 1) // 21
+        allowed = set().union(*(window_rows(w) for w in range(first_w, last_w + 1)))
+        assert read_rows <= allowed, k
+        assert read_rows >= window_rows(first_w), k
+        assert not read_rows & set().union(*(window_rows(w) for w in range(first_w))), k  # skipped: never read
 
 
 def test_prefetch_error_is_raised_in_the_consumer(catalog, monkeypatch):
@@ -340,3 +347,11 @@ def test_data_import_command_streams_the_file(catalog, tmp_path):
     with catalog.open("g.cli") as ds:
         assert ds.rows == 10 and ds.read(["b"])["b"].tolist()[-1] == "x9"
         assert ds.revision == content_revision({"a": np.arange(10), "b": np.array([f"x{i}" for i in range(10)])})
+
+
+def test_importing_the_catalog_does_not_import_torch():
+    code = ("import sys, gwenlake_hpc.data as d; assert 'torch' not in sys.modules, 'torch imported'; "
+            "d.IterableBatches; assert 'torch' in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -11,6 +11,7 @@ have more dimensions (``features`` of shape ``[rows, d]``). Root attributes:
 
 Reading never loads the whole file: :meth:`Dataset.batches` streams windows of contiguous blocks
 (see :class:`Batches`), and an epoch can restart at any batch without reading the skipped ones.
+Importing this package does not import torch (batches import it on first use).
 
 Modules (one concern each; each imports only modules listed before it):
 
@@ -28,15 +29,26 @@ Modules (one concern each; each imports only modules listed before it):
 
 from __future__ import annotations
 
+from typing import Any
+
 from .batches import Batches
 from .catalog import Catalog
 from .dataset import Dataset
 from .format import FORMAT_VERSION, RESERVED_ATTRS, STRING_DTYPE
-from .loader import IterableBatches
 from .names import dataset_path
 from .revision import content_revision
 from .tables import import_table
 from .write import DatasetWriter, write_dataset
+
+
+def __getattr__(name: str) -> Any:
+    # IterableBatches subclasses torch's IterableDataset: imported on first use, so that importing the catalog
+    # (``data import``, ``data show``, a writer process) does not import torch.
+    if name == "IterableBatches":
+        from .loader import IterableBatches
+
+        return IterableBatches
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "FORMAT_VERSION",

@@ -9,13 +9,14 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from gwenlake_hpc.errors import ConfigError
 
 from .prefetch import prefetch_default, prefetched
 
 if TYPE_CHECKING:
+    import torch
+
     from .dataset import Dataset
 
 
@@ -68,14 +69,15 @@ class Batches:
     of contiguous rows.
 
     Prefetch (``prefetch=True``, the default unless the environment sets ``GWENLAKE_PREFETCH=0``):
-    the next window is read and permuted in a background thread while the training consumes the
-    current one, so the read overlaps with the step. The batches, their order and the resume
-    position are the same with and without it (the plan is computed before any read). The thread
-    starts at the first batch and is stopped and joined when the epoch's iterator ends, raises,
-    is closed or is garbage-collected; an error in the thread is raised in the training thread.
+    the same code makes the batches in a background thread, up to one window of rows
+    (``ceil(window_rows / batch_size)`` batches) ahead of the training, so reading, permuting and
+    gathering overlap with the step. The batches, their order and the resume position are the
+    same with and without it. The thread starts at the first batch and is stopped and joined when
+    the epoch's iterator ends, raises, is closed or is garbage-collected; an error in the thread
+    is raised in the training thread.
 
     Memory: at most one window (``block_rows * buffer_blocks`` rows of the selected columns) plus
-    one batch is held; two windows with prefetch (the current one and the next). Yielded batches
+    one batch is held; with prefetch, one more window's worth of ready batches. Yielded batches
     are fresh arrays that do not pin the window.
     """
 
@@ -171,58 +173,61 @@ class Batches:
             )
         return self._iterate(epoch, start, seed, n_batches)
 
-    def _window(self, plan: _Plan, epoch: int, seed: int, w: int) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
-        """Window ``w`` read in plan order and its row permutation (None without shuffle)."""
-        window = self._load_window(plan, w)
-        size = int(plan.window_sizes[w])
-        perm = np.random.default_rng([seed, epoch, w]).permutation(size) if self.shuffle else None
-        return window, perm
-
     def _iterate(self, epoch: int, start: int, seed: int, n_batches: int) -> Iterator[dict[str, Any]]:
         if start >= n_batches:
             return
+        produce = functools.partial(self._produce, epoch, start, seed, n_batches)
+        if not self.prefetch:
+            yield from produce()
+            return
+        # One window of rows ahead, in batches: reading, permuting and gathering overlap with the step.
+        ahead = max(1, math.ceil(self.window_rows / self.batch_size))
+        stream = prefetched(produce, ahead, name=f"gwenlake-prefetch-{self.dataset.name}")
+        try:
+            yield from stream
+        finally:
+            stream.close()  # type: ignore[attr-defined]  # stops and joins the thread, also when abandoned
+
+    def _produce(self, epoch: int, start: int, seed: int, n_batches: int) -> Iterator[dict[str, Any]]:
         bs = self.batch_size
         end = n_batches * bs if self.drop_last else self.dataset.rows  # positions used this epoch
         plan = self._plan(epoch, seed)
         pos = start * bs
-        first = int(np.searchsorted(plan.offsets, pos, side="right")) - 1
-        last = int(np.searchsorted(plan.offsets, end - 1, side="right")) - 1  # window of the last position used
-        load = functools.partial(self._window, plan, epoch, seed)
-        if self.prefetch:
-            windows = prefetched(load, range(first, last + 1), name=f"gwenlake-prefetch-{self.dataset.name}")
-        else:
-            windows = map(load, range(first, last + 1))
+        w = int(np.searchsorted(plan.offsets, pos, side="right")) - 1
         batch = start
         need = min(bs, end - pos)
         pieces: list[dict[str, np.ndarray]] = []
-        try:
-            for w in range(first, last + 1):
-                window: dict[str, np.ndarray] | None
-                window, perm = next(windows)
-                local = pos - int(plan.offsets[w])
-                size = int(plan.window_sizes[w])
-                while local < size and batch < n_batches:
-                    take = min(need, size - local)
-                    if perm is None:
-                        pieces.append({c: a[local : local + take].copy() for c, a in window.items()})  # type: ignore[union-attr]
-                    else:
-                        idx = perm[local : local + take]
-                        pieces.append({c: a[idx] for c, a in window.items()})  # type: ignore[union-attr]
-                    local += take
-                    pos += take
-                    need -= take
-                    if need == 0:
-                        yield self._assemble(pieces)
-                        pieces = []
-                        batch += 1
-                        need = min(bs, end - pos)
-                # Drop this window before taking the next so at most one (two with prefetch) is held.
-                window = perm = None
-        finally:
-            if self.prefetch:
-                windows.close()  # type: ignore[union-attr]  # stops and joins the thread, also when abandoned
+        while batch < n_batches:
+            window: dict[str, np.ndarray] | None = self._load_window(plan, w)
+            perm = (
+                np.random.default_rng([seed, epoch, w]).permutation(int(plan.window_sizes[w]))
+                if self.shuffle
+                else None
+            )
+            local = pos - int(plan.offsets[w])
+            size = int(plan.window_sizes[w])
+            while local < size and batch < n_batches:
+                take = min(need, size - local)
+                if perm is None:
+                    pieces.append({c: a[local : local + take].copy() for c, a in window.items()})  # type: ignore[union-attr]
+                else:
+                    idx = perm[local : local + take]
+                    pieces.append({c: a[idx] for c, a in window.items()})  # type: ignore[union-attr]
+                local += take
+                pos += take
+                need -= take
+                if need == 0:
+                    yield self._assemble(pieces)
+                    pieces = []
+                    batch += 1
+                    need = min(bs, end - pos)
+            # Drop this window before reading the next so at most one is held.
+            window = perm = None
+            w += 1
 
     def _assemble(self, pieces: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+        import torch  # on use: reading, writing and listing datasets do not need torch (2+ s to import)
+
         out: dict[str, Any] = {}
         for col in self.columns:
             arr = pieces[0][col] if len(pieces) == 1 else np.concatenate([p[col] for p in pieces])

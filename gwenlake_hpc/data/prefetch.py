@@ -1,11 +1,11 @@
-"""Background prefetch: compute the next item of a sequence in a thread while the consumer uses the current one."""
+"""Background prefetch: run an iterator in a thread, a bounded number of items ahead of its consumer."""
 
 from __future__ import annotations
 
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from gwenlake_hpc.errors import ConfigError
@@ -31,39 +31,50 @@ def prefetch_default() -> bool:
     raise ConfigError(f"{PREFETCH_ENV}={raw!r}: use 1 (prefetch batches in a background thread, the default) or 0")
 
 
-def prefetched(load: Callable[[Any], T], keys: Iterable[Any], name: str = "gwenlake-prefetch") -> Iterator[T]:
-    """Yield ``load(k)`` for each of ``keys`` in order, each computed in a background thread one item ahead.
+def prefetched(produce: Callable[[], Iterator[T]], ahead: int, name: str = "gwenlake-prefetch") -> Iterator[T]:
+    """Yield the items of ``produce()``, an iterator run in a background thread up to ``ahead`` items ahead.
 
-    Bounded: at most two items exist at once, the one the consumer holds (the last yielded) and the next one
-    (being computed, or ready). The thread starts at the first ``next()``; it is stopped and joined when the
-    iteration ends, fails, or is abandoned (``close()``, or the generator garbage-collected): a ``load``
-    already running finishes first, none starts after. An exception raised by ``load`` is re-raised in the
-    consumer at the item where it happened, with its traceback. ``load`` must be safe to call from another
-    thread (h5py serializes its calls with a global lock; numpy and the OS release the GIL during copies
-    and reads, which is what overlaps with the consumer's step).
+    Bounded: besides the item the consumer holds (the last yielded), at most ``ahead`` items are ready
+    or being made. The thread starts at the first ``next()``; it is stopped and joined when the iteration
+    ends, fails, or is abandoned (``close()``, or the generator garbage-collected): an item being made is
+    finished first, the producer is then closed (its ``finally`` blocks run in the thread) and none is made
+    after. An exception raised by the producer is re-raised in the consumer where its item would have come,
+    with its traceback. The producer must be safe to run beside the consumer (h5py serializes its calls
+    with a global lock; numpy and the OS release the GIL during copies and reads, and so does a training
+    step waiting for the GPU: that is what overlaps).
     """
-    keys = list(keys)
-    if not keys:
-        return
+    if ahead < 1:
+        raise ValueError(f"ahead must be >= 1, got {ahead}")
     done: queue.SimpleQueue[tuple[object, Any]] = queue.SimpleQueue()
-    # Two slots: the item the consumer holds and the one ahead. The consumer gives one back when it asks for
-    # the next item, so the thread never runs more than one item ahead.
-    slots = threading.Semaphore(2)
+    # ahead + 1 slots: the item the consumer holds and those ahead. The consumer gives one back when it asks
+    # for the next item, so the thread never gets more than ``ahead`` items ahead.
+    slots = threading.Semaphore(ahead + 1)
     stop = threading.Event()
 
     def work() -> None:
         try:
-            for k in keys:
-                slots.acquire()
-                if stop.is_set():
-                    return
-                done.put((_ITEM, load(k)))
+            items = produce()
+            try:
+                while True:
+                    slots.acquire()
+                    if stop.is_set():
+                        return
+                    try:
+                        item = next(items)
+                    except StopIteration:
+                        break
+                    done.put((_ITEM, item))
+                    del item
+            finally:
+                close = getattr(items, "close", None)
+                if close is not None:
+                    close()
             done.put((_END, None))
         except BaseException as err:  # re-raised in the consumer
             done.put((_ERROR, err))
 
-    # The thread references only the queue, the semaphore, the event and ``load``, never this generator, so an
-    # abandoned generator is collected (and its ``finally`` stops the thread) as soon as it is unreferenced.
+    # The thread references only the queue, the semaphore, the event and ``produce``, never this generator, so
+    # an abandoned generator is collected (and its ``finally`` stops the thread) as soon as it is unreferenced.
     thread = threading.Thread(target=work, name=name, daemon=True)
     thread.start()
     try:
