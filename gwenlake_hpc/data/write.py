@@ -173,7 +173,7 @@ class DatasetWriter:
             raise DataError(f"dataset {self.name}: a dataset needs at least one column: append a chunk "
                             "{column: array} before closing the writer")
         try:
-            for col, (_, inner) in self._schema.items():
+            for col in self._schema:
                 _warn_nonfinite(self.name, col, self._nonfinite.get(col, 0), self.rows)
             revision = stored_revision(self._schema, self.rows, self._read)
             _write_root_attrs(self._file, revision, list(self._schema), self._attrs)
