@@ -106,7 +106,7 @@ def test_no_import_circles_between_modules():
     assert cycles(flat) == []
 
 
-@pytest.mark.parametrize("command", [["status"], ["models", "list", "t.model"], ["checkpoints", "list"],
+@pytest.mark.parametrize("command", [["status"], ["models", "list", "t.model"], ["checkpoints", "list"], ["data", "show", "t.rows"],
                                      ["tracking", "--help"], ["logs", "--help"], ["report", "--help"]])
 def test_commands_that_do_not_train_load_neither_torch_nor_mlflow(project, command):
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "gwenlake_hpc", *command], cwd=project.root,

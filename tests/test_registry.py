@@ -26,7 +26,6 @@ def scorer(tmp_path_factory):
     return make_scorer_project(tmp_path_factory.mktemp("reg") / "project")
 
 
-@pytest.mark.slow
 def test_training_registers_a_model_version_with_run_artifacts_and_candidate_alias(scorer, server):
     sha, err = train(scorer, "scorer:fit", f"tracking.uri={server.uri}", "+job.params.noise=0.3",
                      env={"SLURM_JOB_ID": "4242"})

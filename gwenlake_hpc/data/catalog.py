@@ -11,7 +11,8 @@ import numpy as np
 from gwenlake_hpc.errors import DataError
 
 from .dataset import Dataset
-from .names import _NAME_RE, dataset_path
+from ..names import split_name
+from .names import dataset_path
 from .tables import IMPORT_CHUNK_ROWS, import_table
 from .write import DatasetWriter, write_dataset
 
@@ -37,7 +38,7 @@ class Catalog:
         found = []
         for p in self.data_root.glob("*/*.h5"):
             name = f"{p.parent.name}.{p.stem}"
-            if _NAME_RE.match(name) and p.is_file():
+            if split_name(name) and p.is_file():
                 found.append(name)
         return sorted(found)
 
