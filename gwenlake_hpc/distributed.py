@@ -19,7 +19,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 log = logging.getLogger("gwenlake_hpc.distributed")
 
@@ -55,6 +54,7 @@ class Dist:
         """True on every rank when ``flag`` is true on at least one (a collective: all ranks must call it)."""
         if not self.enabled:
             return bool(flag)
+        import torch
         import torch.distributed as dist
 
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
@@ -65,6 +65,7 @@ class Dist:
         """The largest ``value`` over all ranks, on every rank (an int64; a collective: all ranks must call it)."""
         if not self.enabled:
             return int(value)
+        import torch
         import torch.distributed as dist
 
         t = torch.tensor([int(value)], dtype=torch.int64)
@@ -122,6 +123,7 @@ def setup(timeout_s: float | None = None) -> Dist:
     facts = from_environment()
     if facts is None:
         return Dist()
+    import torch
     import torch.distributed as dist
 
     rank, world, local = facts

@@ -23,7 +23,7 @@ import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -37,10 +37,12 @@ from .checkpoints import CheckpointStore, DamagedFileError
 from .distributed import Dist
 from .distributed import setup as setup_distributed
 from .distributed import teardown as teardown_distributed
-from .run import Run, async_default, seed_everything
+from .checkpoints.writer import async_default
 from .run_environment import check_same_image, container_start
-from .run import active as active_run
 from .signals import StopRequest, shield_children
+
+if TYPE_CHECKING:
+    from .run import Run
 from .tracking.custom_metrics import check_settings as check_statsd
 from .tracking.custom_metrics import configure as configure_statsd
 from .tracking import (NullTracker, Tracker, default_uri, flatten, is_sqlite, sqlite_path, state_dir_for,
@@ -544,6 +546,10 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     # Rank r draws from seed + r: dropout and augmentation differ across ranks (DDP copies rank 0's initial
     # parameters to all); the data order comes from the run seed alone, so the shards fit together.
     launcher = cfg.get("launcher") or {}
+
+    # torch comes with the Run: planning and submitting a job (the launchers) never load it
+    from .run import Run, seed_everything
+    from .run import active as active_run
 
     def make_run() -> Run:
         seed_everything(seed + d.rank)

@@ -26,6 +26,7 @@ import torch
 
 from .checkpoints import (BackgroundWriter, BufferPool, Checkpoint, CheckpointStore, PendingCheckpoint,
                          rank_state_name)
+from .checkpoints.writer import async_default
 from .distributed import Dist
 from .errors import CheckpointError, ConfigError, GwenlakeError, NonFiniteError
 from .progress import Progress
@@ -779,20 +780,6 @@ class Run:
         if not self.dist.is_main and not asynchronous:
             self.latest_checkpoint = self.store.open(name)
         self._checkpoint_step = self.step
-
-
-def async_default() -> bool:
-    """Whether checkpoints are asynchronous by default: ``GWENLAKE_CHECKPOINT_ASYNC`` (on unless 0/false/no/off).
-
-    Raises:
-        ConfigError: another value.
-    """
-    raw = os.environ.get("GWENLAKE_CHECKPOINT_ASYNC", "1").strip().lower()
-    if raw in ("1", "true", "yes", "on", ""):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"GWENLAKE_CHECKPOINT_ASYNC={raw!r}: use 1 (asynchronous checkpoints, the default) or 0")
 
 
 #: The Run whose training function is running in this process (set by the job around the call).

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any, Callable
+
+from ..errors import ConfigError
 
 log = logging.getLogger("gwenlake_hpc.checkpoints")
 
@@ -70,3 +73,17 @@ class BackgroundWriter:
                 log.error("a background checkpoint write failed: %s", self._error)
                 self._logged = True
         return self._result
+
+
+def async_default() -> bool:
+    """Whether checkpoints are asynchronous by default: ``GWENLAKE_CHECKPOINT_ASYNC`` (on unless 0/false/no/off).
+
+    Raises:
+        ConfigError: another value.
+    """
+    raw = os.environ.get("GWENLAKE_CHECKPOINT_ASYNC", "1").strip().lower()
+    if raw in ("1", "true", "yes", "on", ""):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"GWENLAKE_CHECKPOINT_ASYNC={raw!r}: use 1 (asynchronous checkpoints, the default) or 0")
