@@ -63,7 +63,10 @@ def test_churn_in_a_container_is_preempted_resumes_and_its_version_names_the_ima
 
     assert wait_until(ended, timeout=900, what=f"job {job} to end") == "COMPLETED"
     text = "".join(p.read_text(errors="replace") for p in sorted((run_dir / "slurm" / job).glob("*_log.*")))
-    assert "stop requested (SIGTERM)" in text and "resuming from step" in text
+    # The training inside got SLURM's SIGTERM and sealed a checkpoint at the step it stopped (not an evaluation
+    # step); its own last log lines may be cut, as SLURM stops relaying a preempted step's output.
+    resumed = int(re.search(r"resuming from step (\d+)", text).group(1))
+    assert resumed >= 2000 and ("stop requested (SIGTERM)" in text or resumed % 1000 != 0), resumed
     assert "container image changed since the previous start" in text
     info = json.loads((run_dir / "run.json").read_text())
     containers = [s["container"] for s in info["starts"]]
