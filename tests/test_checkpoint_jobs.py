@@ -162,10 +162,23 @@ def test_mlflow_system_metrics_continue_across_a_restart(project):
     an eviction and resume (no step twice)."""
     from test_job import mlflow_runs
 
-    # 40 steps of 0.1 s before the eviction: the monitor (started once the run is attached) samples at once.
+    from conftest import wait_until
+
     env = {"MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "true", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.5",
-           "GWL_TEST_SLEEP": "0.1"}
-    project.run("+job=t", env={**env, "GWL_TEST_SIGTERM_AT": "40"}, check=75)
+           "GWL_TEST_SLEEP": "0.05"}
+    # The first process waits at step 10 until the delivery process attached the run (MLflow's import takes
+    # seconds on a loaded machine) and its monitor, started then, had several sampling intervals; it then stops
+    # itself at step 12, and the monitor's last samples are flushed as the delivery process ends.
+    reached, go = project.root / "reached", project.root / "go"
+    proc = project.popen("+job=t", env={**env, "GWL_TEST_PAUSE": f"10:{reached}:{go}", "GWL_TEST_SIGTERM_AT": "12"})
+    try:
+        wait_until(reached.exists, 300, "the first process at step 10")
+        wait_until(lambda: any(project.root.glob("runs/t.model/*/tracking/run_id")), 300, "the run attached")
+        time.sleep(3)  # six sampling intervals of 0.5 s
+    finally:
+        go.touch()
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out + err
     client, runs = mlflow_runs(project)
     first = [m.step for m in client.get_metric_history(runs[0].info.run_id, "system/cpu_utilization_percentage")]
     assert first, "no system metrics from the first process"
