@@ -358,9 +358,10 @@ def render_remote_script(lc: Any, cc: Any, job_name: str, worktree: str, run_dir
     from .sbatch_script import render_sbatch
 
     params = sbatch_parameters(lc, job_name=job_name)
-    py = shlex.quote(str(cc.python))
+    # the interpreter: the cluster's, or the image's behind the container runtime (the login node made its files)
+    interpreter = list(container["command"]) if container else [str(cc.python)]
     forwarded = ["launcher.progress=lines", f"launcher.progress_every_s={float(lc.progress_every_s)}", *overrides]
-    command = f"{py} -u -m gwenlake_hpc " + " ".join(shlex.quote(o) for o in forwarded)
+    command = " ".join(shlex.quote(w) for w in [*interpreter, "-u", "-m", "gwenlake_hpc", *forwarded])
     setup = [f"cd {shlex.quote(worktree)}", *[str(s) for s in cc.get("setup") or []]]
     setup += setup_lines(lc, Path(secrets_file) if secrets_file else None)  # type: ignore[arg-type]
     if patch_file:  # the uncommitted diff applied in the worktree (cluster.allow_dirty), for the lineage
@@ -368,8 +369,7 @@ def render_remote_script(lc: Any, cc: Any, job_name: str, worktree: str, run_dir
         setup.append(f"export GWENLAKE_CODE_PATCH_SHA256={shlex.quote(posixpath.basename(patch_file)[:-5])}")
     teardown = teardown_lines(lc, python=str(cc.python))
     srun_args: list[str] = []
-    if container:  # the step inside the image: the login node made its files (plan --container)
-        command = " ".join(shlex.quote(w) for w in container["command"]) + command[len(py):]
+    if container:
         setup += list(container["setup"])
         srun_args = list(container["srun_args"])
         teardown = ContainerStep(**container).teardown(max_retries(lc), int(lc.signal_delay_s))
