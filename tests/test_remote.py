@@ -57,7 +57,9 @@ class Remote:
     def submit(self, *overrides, check=0, env=None) -> tuple[str, subprocess.CompletedProcess]:
         proc = self.ws.run("+job=t", "cluster=test", *overrides, env=env, timeout=300)
         if check is not None and proc.returncode != check:
-            raise AssertionError(f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}")
+            sshd_log = "\n".join((self.sshd.folder / "sshd.log").read_text().splitlines()[-30:])
+            raise AssertionError(f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}\n"
+                                 f"SSHD LOG (last lines):\n{sshd_log}")
         m = re.search(r"submitted job (\d+) to cluster test", proc.stdout)
         return (m.group(1) if m else ""), proc
 

@@ -191,13 +191,17 @@ def _check_remote(conn: SshConnection, cc: Any, commit: str) -> tuple[str, bool,
     if rd.startswith("~/"):
         rd = rd[2:]  # commands start in the home directory
     py = str(cc.python)
+    # the `gwenlake-at:` marks on stderr are shown only when the check fails or hangs (where it was)
     script = (f"cd {shlex.quote(rd)} 2>/dev/null || {{ echo 'gwenlake-check: nodir'; exit 3; }}\n"
               "command -v git >/dev/null || { echo 'gwenlake-check: nogit'; exit 3; }\n"
               "git rev-parse --show-toplevel >/dev/null 2>&1 || { echo 'gwenlake-check: notgit'; exit 3; }\n"
               "test \"$(git rev-parse --show-toplevel)\" = \"$(pwd -P)\" || { echo 'gwenlake-check: notroot'; exit 3; }\n"
+              "echo 'gwenlake-at: setup' >&2\n"
               + _setup(cc) +
+              "echo 'gwenlake-at: sbatch, python' >&2\n"
               "command -v sbatch >/dev/null || { echo 'gwenlake-check: nosbatch'; exit 3; }\n"
               f"{shlex.quote(py)} -c 'import gwenlake_hpc' >/dev/null 2>&1 || {{ echo 'gwenlake-check: nopython'; exit 3; }}\n"
+              "echo 'gwenlake-at: refs' >&2\n"
               "echo \"gwenlake-dir: $(pwd -P)\"\n"
               f"if git cat-file -e {shlex.quote(commit + '^{commit}')} 2>/dev/null; then echo 'gwenlake-have: yes'; "
               "else echo 'gwenlake-have: no'; fi\n"

@@ -372,9 +372,10 @@ class SshConnection:
                 if not transport.is_active():
                     raise EOFError("connection closed")
                 if time.monotonic() > deadline:
+                    so_far = (out.decode(errors="replace")[-300:] + err.decode(errors="replace")[-300:]).strip()
                     raise RemoteCommandError(f"on {self.target.name}: `{line[:200]}` did not finish within "
-                                             f"{timeout_s:.0f} s", 124, out.decode(errors="replace"),
-                                             err.decode(errors="replace"))
+                                             f"{timeout_s:.0f} s (its output so far: {so_far or 'none'!r})", 124,
+                                             out.decode(errors="replace"), err.decode(errors="replace"))
                 if not busy:
                     time.sleep(0.01)
             rc = chan.recv_exit_status()
