@@ -6,6 +6,7 @@ hyperparameters checked against its config dataclass (:func:`resolve_params`). D
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import typing
@@ -36,7 +37,7 @@ def resolve_params(tf: "TrainFunction", params: Mapping[str, Any]) -> tuple[Any,
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(tf.config_type), dict(params))
+        merged = OmegaConf.merge(_schema(tf.config_type), dict(params))  # merge copies the schema
         plain = OmegaConf.to_container(merged, resolve=True, enum_to_str=True)
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
@@ -46,6 +47,14 @@ def resolve_params(tf: "TrainFunction", params: Mapping[str, Any]) -> tuple[Any,
                           f"(fields of {tf.config_type.__name__}: "
                           f"{', '.join(f.name for f in dataclasses.fields(tf.config_type))})") from exc
     return obj, plain  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=64)
+def _schema(config_type: type) -> Any:
+    """``OmegaConf.structured(config_type)``, made once per dataclass (a sweep checks every task's params)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.structured(config_type)
 
 
 class Input:

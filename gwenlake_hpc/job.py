@@ -43,6 +43,7 @@ from .signals import StopRequest, shield_children
 
 if TYPE_CHECKING:
     from .run import Run
+from .tracking import user_mlflow
 from .tracking.custom_metrics import check_settings as check_statsd
 from .tracking.custom_metrics import configure as configure_statsd
 from .tracking import (NullTracker, Tracker, default_uri, flatten, is_sqlite, sqlite_path, state_dir_for,
@@ -209,8 +210,38 @@ class JobPlan:
         return open_model_repo(self.repo_path or default_model_repo(Path.cwd()), create=create)
 
 
-def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
+class PlanCache:
+    """Read-only facts that the plans of one sweep's tasks share instead of reading them again per task.
+
+    Datasets are keyed by path and by the file's inode, modification time (ns) and size, so a dataset replaced
+    between two plans (an atomic rename gives a new inode) is opened again. Only the process that plans a
+    sweep holds one; a job plans once, without it.
+    """
+
+    def __init__(self) -> None:
+        self._datasets: dict[tuple[str, int, int, int], Any] = {}
+
+    def open_dataset(self, catalog: Catalog, name: str) -> Any:
+        """``catalog.open(name)``, or the same :class:`~gwenlake_hpc.data.Dataset` opened for an earlier task.
+
+        Raises:
+            DataError: as :meth:`Catalog.open`.
+        """
+        path = catalog.path(name)
+        try:
+            st = path.stat()
+        except OSError:
+            return catalog.open(name)  # its own message for a missing file
+        key = (str(path), st.st_ino, st.st_mtime_ns, st.st_size)
+        if key not in self._datasets:
+            self._datasets[key] = catalog.open(name)
+        return self._datasets[key]
+
+
+def plan(cfg: DictConfig | Mapping[str, Any], cache: PlanCache | None = None) -> JobPlan:
     """Resolve a composed config into a :class:`JobPlan`.
+
+    ``cache``: the facts shared by the tasks of one sweep (see :class:`PlanCache`); None reads everything.
 
     Raises:
         ConfigError: no job, bad target, bad params, bad tracking URI, missing or malformed dataset,
@@ -258,7 +289,7 @@ def plan(cfg: DictConfig | Mapping[str, Any]) -> JobPlan:
     model_versions: dict[str, str] = {}
     for name, b in tf.bindings.items():
         if isinstance(b, Input):
-            ds = catalog.open(b.name)
+            ds = cache.open_dataset(catalog, b.name) if cache is not None else catalog.open(b.name)
             inputs[name] = ds
             datasets[name] = f"{b.name}@{ds.revision}"
             dataset_facts[name] = {"name": b.name, "revision": ds.revision, "rows": ds.rows, "path": str(ds.path)}
@@ -547,6 +578,14 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     # parameters to all); the data order comes from the run seed alone, so the shards fit together.
     launcher = cfg.get("launcher") or {}
 
+    reports = tracking_on and d.is_main
+    if reports:
+        off_reason = ""
+    else:
+        state_dir = None
+        off_reason = (f"rank {d.rank}: only rank 0 reports to MLflow" if tracking_on else
+                      "tracking is off for this job (tracking=False or job.tracking=false)")
+
     # torch comes with the Run: planning and submitting a job (the launchers) never load it
     from .run import Run, seed_everything
     from .run import active as active_run
@@ -573,7 +612,9 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
             while True:
                 kwargs["run"] = run
                 try:
-                    with active_run(run):  # gwenlake_hpc.log_metrics() and GWENLAKE_RUN_ID
+                    # gwenlake_hpc.log_metrics(), GWENLAKE_RUN_ID, and MLflow's own API into the job's run
+                    with active_run(run), user_mlflow.reporting(tracker if reports else None, state_dir,
+                                                                lambda: run.step, off_reason):
                         result = tf.fn(**kwargs)
                     run.wait_for_checkpoint()  # a background write that failed fails the job here
                     break

@@ -353,15 +353,19 @@ def submit_training(target: str, overrides: Sequence[str], job: str | None = Non
     return JobHandle(sub.job_id, sub.run_dir)
 
 
-def job_container(cfg: DictConfig, tracking_uri: str | None) -> dict[str, Any]:
-    """The config a job receives: plain data, paths made absolute (the job may start elsewhere), no Hydra node."""
+def job_container(cfg: DictConfig, tracking_uri: str | None, model_repo: Path | None = None) -> dict[str, Any]:
+    """The config a job receives: plain data, paths made absolute (the job may start elsewhere), no Hydra node.
+
+    ``model_repo``: the default model repository when ``paths.model_repo`` is unset, if the caller found it
+    already (a sweep, once for all tasks); else it is looked up here (:func:`default_model_repo`).
+    """
     container = OmegaConf.to_container(cfg, resolve=True)
     container.pop("hydra", None)
     container["paths"] = {k: (str(Path(v).expanduser().resolve()) if v else v) for k, v in container["paths"].items()}
     if not container["paths"].get("model_repo"):
         from ..versioning import default_model_repo
 
-        container["paths"]["model_repo"] = str(default_model_repo(Path.cwd()))
+        container["paths"]["model_repo"] = str(model_repo or default_model_repo(Path.cwd()))
     container["job"]["target"] = _absolute_target(container["job"]["target"])
     if container.get("tracking", {}).get("uri") is None and tracking_uri:
         container["tracking"]["uri"] = tracking_uri

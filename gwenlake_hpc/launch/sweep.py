@@ -40,7 +40,7 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
         ConfigError: tasks with different launcher settings, or a task's config error (nothing submitted).
         GwenlakeError: sbatch failed.
     """
-    from ..job import plan
+    from ..job import PlanCache, plan
 
     if not configs:
         return []
@@ -48,13 +48,18 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
                  for _, c in configs}
     if len(launchers) > 1:
         raise ConfigError("a sweep is one job array: launcher.* must be the same for every task")
-    plans = [plan(cfg) for _, cfg in configs]  # every task checked before anything is submitted
+    cache = PlanCache()  # one sweep's tasks read the same datasets
+    plans = [plan(cfg, cache) for _, cfg in configs]  # every task checked before anything is submitted
     lc = with_declared(configs[0][1].launcher, plans[0].tf.resources)  # @train(cpu=, memory=, gpu=...) under launcher.*
     runs_root = plans[0].runs_root
     folder = Path(lc.folder) if lc.get("folder") else runs_root / ".arrays" / time.strftime("%Y%m%d-%H%M%S")
     params = sbatch_parameters(lc, job_name=f"gwenlake-sweep:{plans[0].model_name}")
     check_secrets(lc)
-    containers = [job_container(cfg, p.tracking_uri) for (_, cfg), p in zip(configs, plans)]
+    from ..versioning import default_model_repo
+
+    # once, not per task; only when a task leaves paths.model_repo unset (it may create <cwd>/models)
+    repo = default_model_repo(Path.cwd()) if any(not c.paths.get("model_repo") for _, c in configs) else None
+    containers = [job_container(cfg, p.tracking_uri, repo) for (_, cfg), p in zip(configs, plans)]
     container_step(lc, containers[0], folder, write=False, others=containers[1:])  # refused before writing
     folder.mkdir(parents=True, exist_ok=True)
     secrets = write_secrets(lc, folder)
