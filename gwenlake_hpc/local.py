@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 from .errors import ConfigError
 from .run import Run, active, seed_everything
 from .signals import StopRequest
+from .tracking import user_mlflow
 from .tracking.tracker import NullTracker
 
 
@@ -114,7 +115,8 @@ def run_local(tf: TrainFunction, config: Any = None, *, steps: int | None = None
         kwargs["run"] = run
         if tf.wants_config:
             kwargs["config"] = config_obj
-        with active(run):
+        with active(run), user_mlflow.reporting(None, None, lambda: run.step,
+                                                "fit.local() does not track"):
             result = tf.fn(**kwargs)
         run.wait_for_checkpoint()
         return result

@@ -198,6 +198,10 @@ class Deliverer:
                     points = []
                 if "rollout" in entry:
                     session.log_rollout(entry["rollout"])
+                elif "params" in entry:
+                    session.log_params(entry["params"], existing=session.run_params())
+                elif "artifact" in entry:
+                    session.log_artifact(entry["artifact"]["file"], entry["artifact"]["path"])
                 else:
                     session.log_tags(entry["tags"])
             else:

@@ -280,6 +280,22 @@ class RunSession:
         todo = [Param(k, v) for k, v in params.items() if k not in existing]
         self._log_entities("param", todo, lambda items: {"params": items})
 
+    def run_params(self) -> dict[str, str]:
+        """The params the run holds now (read from the store)."""
+        return dict(self.client.get_run(self.rid).data.params)
+
+    def log_artifact(self, file: str, artifact_path: str) -> None:
+        """Upload a staged file (:func:`.tracker.stage_artifact`) into the run's ``artifact_path`` folder, then
+        remove the copy. A file already gone was uploaded before a kill: nothing to do (uploading the same
+        path twice would only overwrite it)."""
+        path = Path(file)
+        if not path.is_file():
+            return
+        self.client.log_artifact(self.rid, str(path), artifact_path or None)
+        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()
+
     def log_rollout(self, rollout: Mapping[str, Any]) -> None:
         """Create the trace of one RL rollout, linked to this run, unless it exists already
         (:func:`gwenlake_hpc.tracking.rollouts.deliver_rollout`)."""

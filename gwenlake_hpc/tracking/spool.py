@@ -40,7 +40,7 @@ ROTATE_BYTES = 16 << 20
 _SEGMENT = re.compile(r"^(\d{8,})\.jsonl$")
 
 Point = tuple[str, float, int, int]  # key, value, step, timestamp in ms
-Entry = Union[Point, dict]  # a point, {"tags": {...}} or {"rollout": {...}}
+Entry = Union[Point, dict]  # a point, {"tags": {...}}, {"params": {...}}, {"artifact": {...}} or {"rollout": {...}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,6 +87,14 @@ def decode(raw: bytes) -> Entry | None:
             if not isinstance(tags, dict):
                 return None
             return {"tags": {str(k): str(v) for k, v in tags.items()}}
+        if "params" in d:  # MLflow's own log_param(s) inside the training function (tracking/user_mlflow.py)
+            params = d["params"]
+            return {"params": {str(k): str(v) for k, v in params.items()}} if isinstance(params, dict) else None
+        if "artifact" in d:  # a file staged in the state folder, uploaded by the delivery
+            art = d["artifact"]
+            if not isinstance(art, dict) or not isinstance(art.get("file"), str):
+                return None
+            return {"artifact": {"file": art["file"], "path": str(art.get("path") or "")}}
         if "rollout" in d:  # one RL episode, made a trace by the delivery (tracking/rollouts.py)
             rollout = d["rollout"]
             if not isinstance(rollout, dict) or not isinstance(rollout.get("messages"), list) or "id" not in rollout:

@@ -23,10 +23,12 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,22 @@ _MAX_BUFFERED = 1_000_000
 _RESTART_EVERY_S = 30.0
 # The delivery process's niceness: it yields the CPU to the training where they compete for it.
 DELIVERY_NICE = 5
+
+
+def stage_artifact(state_dir: Path, local_file: str | os.PathLike[str], artifact_path: str | None) -> dict[str, Any]:
+    """Copy ``local_file`` to ``<state_dir>/artifacts/<uuid>/<its name>`` (written under a temporary name, then
+    renamed: the delivery never sees half a file) and return its spool entry ``{"artifact": {"file", "path"}}``.
+
+    Raises:
+        OSError: the file cannot be read or the copy written.
+    """
+    src = Path(local_file)
+    folder = Path(state_dir) / "artifacts" / uuid.uuid4().hex
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".partial-{src.name}"
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, folder / src.name)
+    return {"artifact": {"file": str(folder / src.name), "path": artifact_path or ""}}
 
 
 def flatten(d: Mapping[Any, Any], prefix: str = "") -> dict[str, str]:
@@ -243,6 +261,29 @@ class Tracker:
         with self._lock:
             self._buf.append(dict(entry))
 
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Record run params (values turned to ``str``, cut to 6000 characters), delivered in order with the
+        points; one the run holds already with another value keeps its first value, with a warning (MLflow
+        params are immutable). Never blocks."""
+        if self._closed or not params:
+            return
+        with self._lock:
+            self._buf.append({"params": {str(k): str(v)[:MAX_PARAM_VALUE_LENGTH] for k, v in params.items()}})
+
+    def log_artifact(self, local_file: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+        """Copy ``local_file`` into the state folder (``artifacts/``, atomically) and record it; the delivery
+        process uploads it to the run's ``artifact_path`` folder, in order with the points, then removes the
+        copy.
+
+        Raises:
+            OSError: ``local_file`` cannot be read or the copy cannot be written (the caller's own error).
+        """
+        if self._closed:
+            return
+        entry = stage_artifact(self._state_dir, local_file, artifact_path)
+        with self._lock:
+            self._buf.append(entry)
+
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Write every point logged so far to the spool (not fsynced) and wake the delivery process.
 
@@ -356,6 +397,9 @@ class Tracker:
         """Start ``python -m gwenlake_hpc.tracking`` and the thread that reads its events."""
         self._last_start = time.monotonic()
         env = http_env()
+        if env.get("MLFLOW_TRACKING_URI", "").startswith("gwenlake-job:"):  # the training's own, not the store's
+            env.pop("MLFLOW_TRACKING_URI")
+            env.pop("MLFLOW_RUN_ID", None)
         env.setdefault("OMP_NUM_THREADS", "1")
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
@@ -548,6 +592,12 @@ class NullTracker:
         """Do nothing."""
 
     def log_rollout(self, entry: Mapping[str, Any]) -> None:
+        """Do nothing."""
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Do nothing."""
+
+    def log_artifact(self, local_file: str | os.PathLike[str], artifact_path: str | None = None) -> None:
         """Do nothing."""
 
     def wait_attached(self, timeout_s: float) -> bool:

@@ -1,0 +1,228 @@
+"""MLflow's own API inside a training function, reporting into the job's run.
+
+While the training function runs, the job sets ``MLFLOW_TRACKING_URI=gwenlake-job:<state folder>`` and
+``MLFLOW_RUN_ID`` (:func:`reporting`). MLflow finds the two classes below through its plug-in entry points
+(``mlflow.tracking_store`` and ``mlflow.artifact_repository`` in ``pyproject.toml``), so ``mlflow.log_metric``,
+``log_param(s)``, ``set_tag(s)``, ``log_artifact(s)``, ``log_dict``, ``log_figure`` and ``mlflow.active_run()``
+work on the job's run with nothing to configure:
+
+- writes go into the job's tracking spool, like the package's own points: the delivery process sends them, in
+  order, once; a step at or below one already logged for a key is dropped (a resumed training replays the steps
+  after its checkpoint), so a restart never stores a second point;
+- a point logged without a step (MLflow records step 0) is recorded at the training's current step;
+- artifacts are copied into the state folder and uploaded by the delivery process;
+- the fluent API's status changes are ignored: the job alone marks the run (an evicted run stays RUNNING,
+  whatever ``mlflow.end_run`` or MLflow's exit hook say);
+- with tracking off (``tracking=False``, ``job.tracking=false``, ``fit.local()``) the calls go nowhere, with one
+  warning, and nothing is written to the working directory.
+
+Reads that need the server (``get_metric_history``, ``search_runs``) and other runs are refused with a message:
+use an :class:`mlflow.MlflowClient` with an explicit ``tracking_uri`` for them.
+
+This module never imports MLflow: the store classes are in :mod:`.mlflow_plugin`, which MLflow loads itself
+when the user's code calls it, so a training that does not use MLflow pays nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("gwenlake_hpc.tracking")
+
+SCHEME = "gwenlake-job"
+ARTIFACT_SCHEME = "gwenlake-job-artifacts"
+#: The run id MLflow is given before the delivery process has created the run (first start, server down).
+PENDING_RUN_ID = "gwenlake-job-run"
+#: How long a first start whose code imports MLflow waits for the delivery process to create the run (seconds).
+ATTACH_WAIT_S = 30.0
+
+_lock = threading.Lock()
+_sinks: dict[str, tuple[int, Any, Callable[[], int]]] = {}  # state folder -> (pid, tracker, current step)
+_warned: set[str] = set()
+_off_reason = "tracking is off"
+
+
+def warn_once(key: str, message: str, *args: Any) -> None:
+    """Log ``message`` as a warning the first time ``key`` is given in this process."""
+    with _lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    logger.warning(message, *args)
+
+
+@contextlib.contextmanager
+def reporting(tracker: Any, state_dir: Path | None, current_step: Callable[[], int],
+              off_reason: str = "tracking is off for this job (tracking=False or job.tracking=false)") -> Iterator[None]:
+    """Route MLflow's fluent API of this process (and of processes started meanwhile) into the job's run while
+    the training function runs.
+
+    Args:
+        tracker: the job's :class:`~gwenlake_hpc.tracking.Tracker`; None when tracking is off.
+        state_dir: its state folder (``<run_dir>/tracking``); None when tracking is off.
+        current_step: the training's current step (``run.step``), for points logged without one.
+        off_reason: the warning given once when tracking is off and the function calls MLflow.
+
+    Sets ``MLFLOW_TRACKING_URI`` and ``MLFLOW_RUN_ID`` unless the user set ``MLFLOW_TRACKING_URI`` to something
+    else (their explicit choice wins), and restores both afterwards. Where MLflow is imported already, the
+    job's run is started in MLflow's fluent API so that ``mlflow.active_run()`` returns it from the first step;
+    otherwise MLflow starts it at the first call. It is ended (without a status: see the module docstring)
+    on the way out.
+    """
+    own = os.environ.get("MLFLOW_TRACKING_URI")
+    if own and not own.startswith(f"{SCHEME}:"):
+        logger.info("MLFLOW_TRACKING_URI is set (%s): MLflow calls in the training function go there, not into "
+                    "the job's run", own.split("@")[-1])
+        yield
+        return
+    key = str(Path(state_dir).absolute()) if state_dir is not None and tracker is not None else ""
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID")}
+    global _off_reason
+    _off_reason = off_reason
+    if key:
+        with _lock:
+            _sinks[key] = (os.getpid(), tracker, current_step)
+    if key and "mlflow" in sys.modules and tracker.run_id is None:
+        # the function's module uses MLflow: its active run should carry the real id from the first step (the
+        # delivery process creates the run within seconds; at once False when the server is known down)
+        tracker.wait_attached(ATTACH_WAIT_S)
+    os.environ["MLFLOW_TRACKING_URI"] = f"{SCHEME}:{key}"
+    run_id = (tracker.run_id if key else None) or PENDING_RUN_ID
+    os.environ["MLFLOW_RUN_ID"] = run_id
+    started = _start_fluent_run()
+    os.environ["MLFLOW_RUN_ID"] = run_id  # MLflow's start_run consumes it; processes started later need it
+    try:
+        yield
+    finally:
+        if started:
+            _end_fluent_run()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if key:
+            with _lock:
+                _sinks.pop(key, None)
+
+
+def _start_fluent_run() -> bool:
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is None or not hasattr(mlflow, "start_run"):
+        return False
+    try:
+        if mlflow.active_run() is None:
+            mlflow.start_run()  # MLFLOW_RUN_ID: the job's run, through the store below
+            return True
+    except Exception as exc:  # noqa: BLE001 - the user's MLflow setup; the training goes on
+        logger.warning("MLflow's fluent run could not be started on the job's run (%s); mlflow.log_* calls "
+                       "start it at their first use", exc)
+    return False
+
+
+def _end_fluent_run() -> None:
+    import mlflow
+
+    with contextlib.suppress(Exception):
+        run = mlflow.active_run()
+        if run is not None and mlflow.get_tracking_uri().startswith(f"{SCHEME}:"):
+            mlflow.end_run()  # the store ignores the status: the job marks the run
+
+
+class _Sink:
+    """Where one process's MLflow calls go: the job's Tracker in the training process, a spool writer of its
+    own in a process forked from it (a DataLoader worker), or nowhere (tracking off)."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.state_dir = state_dir
+        self.tracker: Any = None
+        self.step: Callable[[], int] = lambda: 0
+        self._writer: Any = None
+        self._writer_pid = 0
+        self._marks: dict[str, int] = {}
+
+    def _resolve(self) -> bool:
+        if not self.state_dir:
+            warn_once("off", "%s: MLflow calls in the training function go nowhere", _off_reason)
+            return False
+        with _lock:
+            found = _sinks.get(self.state_dir)
+        if found is not None and found[0] == os.getpid():
+            self.tracker, self.step = found[1], found[2]
+            return True
+        self.tracker = None  # another process: append to a spool segment of its own
+        if self._writer is None or self._writer_pid != os.getpid():
+            from .spool import SpoolWriter
+
+            self._writer, self._writer_pid, self._marks = SpoolWriter(Path(self.state_dir)), os.getpid(), {}
+        return True
+
+    def run_id(self) -> str:
+        if self.state_dir:
+            try:
+                return (Path(self.state_dir) / "run_id").read_text().strip() or PENDING_RUN_ID
+            except OSError:
+                pass
+        return PENDING_RUN_ID
+
+    def log(self, metrics: list[Any], params: list[Any], tags: list[Any]) -> None:
+        if not self._resolve():
+            return
+        if self.tracker is not None:
+            for m in metrics:
+                self.tracker.log_metrics({m.key: m.value}, step=self._step_of(m), timestamp_ms=m.timestamp)
+            if params:
+                self.tracker.log_params({p.key: p.value for p in params})
+            if tags:
+                self.tracker.set_tags({t.key: t.value for t in tags})
+            return
+        from .spool import encode
+
+        entries: list[Any] = []
+        for m in metrics:
+            step = int(m.step or 0)
+            if step > self._marks.get(m.key, -1):
+                self._marks[m.key] = step
+                entries.append((m.key, float(m.value), step, int(m.timestamp or time.time() * 1000)))
+        if params:
+            entries.append({"params": {p.key: str(p.value) for p in params}})
+        if tags:
+            entries.append({"tags": {t.key: str(t.value) for t in tags}})
+        self._writer.append(encode(entries))
+
+    def _step_of(self, metric: Any) -> int:
+        step = int(metric.step or 0)
+        if step == 0:  # MLflow's default for a point without a step: the training's own step
+            with contextlib.suppress(Exception):
+                return int(self.step())
+        return step
+
+    def log_artifact(self, local_file: str, artifact_path: str | None) -> None:
+        if not self._resolve():
+            return
+        if self.tracker is not None:
+            self.tracker.log_artifact(local_file, artifact_path)
+            return
+        from .spool import encode
+        from .tracker import stage_artifact
+
+        self._writer.append(encode([stage_artifact(Path(self.state_dir), local_file, artifact_path)]))
+
+
+_sink_cache: dict[str, _Sink] = {}
+
+
+def sink(state_dir: str) -> _Sink:
+    """The sink of the state folder ``state_dir`` ("" with tracking off), one per folder and process."""
+    with _lock:
+        if state_dir not in _sink_cache:
+            _sink_cache[state_dir] = _Sink(state_dir)
+        return _sink_cache[state_dir]

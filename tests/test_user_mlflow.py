@@ -1,0 +1,142 @@
+"""MLflow's own API called inside a training function reports into the job's run (issue 15).
+
+The trainer (tests/project_mlflow/mltrainer.py) calls ``mlflow.log_metric(s)``, ``log_param(s)``, ``set_tag(s)``,
+``log_dict``, ``log_artifact``, ``log_figure`` and ``mlflow.active_run()``; a forked child logs too. Each job is
+interrupted by a real SIGTERM and resumed; then the MLflow store is read with a plain client.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from conftest import Project, make_test_project, mlflow_server_fixture
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    yield from mlflow_server_fixture(tmp_path_factory)
+
+
+@pytest.fixture
+def mlproject(tmp_path) -> Project:
+    project = make_test_project(tmp_path / "project")
+    shutil.copy(HERE / "project_mlflow" / "mltrainer.py", project.root / "mltrainer.py")
+    project.git("add", "mltrainer.py")
+    project.git("commit", "-q", "-m", "a trainer that calls MLflow")
+    return project
+
+
+def all_runs(client: MlflowClient) -> list:
+    return [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+
+
+def artifacts(client: MlflowClient, run_id: str, path: str | None = None) -> list[str]:
+    out = []
+    for f in client.list_artifacts(run_id, path):
+        out += artifacts(client, run_id, f.path) if f.is_dir else [f.path]
+    return sorted(out)
+
+
+def stray_stores(root: Path) -> list[str]:
+    """MLflow stores MLflow would make in the working directory by default."""
+    return [p.name for p in root.iterdir() if p.name in ("mlflow.db", "mlruns", "mlartifacts")]
+
+
+def check_long_fit_run(client: MlflowClient, project: Project) -> None:
+    (run,) = all_runs(client)  # one run in all: none in "Default", none from the resumed start
+    assert client.get_experiment(run.info.experiment_id).name == "u.model"
+    assert run.info.status == "FINISHED"
+    rid = run.info.run_id
+    for key in ("custom", "custom_a", "custom_b", "custom_nostep", "loss"):
+        steps = [m.step for m in client.get_metric_history(rid, key)]
+        assert steps == list(range(1, 41)), (key, steps)  # one point per step, across the eviction
+    history = {m.step: m.value for m in client.get_metric_history(rid, "custom_a")}
+    assert history == {s: float(s) for s in range(1, 41)}
+    loss = {m.step: m.value for m in client.get_metric_history(rid, "loss")}
+    custom = {m.step: m.value for m in client.get_metric_history(rid, "custom")}
+    assert custom == pytest.approx({s: 2 * v for s, v in loss.items()})
+    # the first start's child at step 1, the resumed start's child at its first step (after the checkpoint)
+    child = [m.step for m in client.get_metric_history(rid, "from_child")]
+    assert child[0] == 1 and len(child) == 2 and child[1] > 20
+    params, tags = run.data.params, run.data.tags
+    assert (params["user.lr"], params["user.final"], params["user.rows"]) == ("0.05", "yes", "200")
+    assert (tags["user.tag"], tags["user.done"]) == ("hello", "1")
+    arts = artifacts(client, rid)
+    assert {"notes/weights.json", "notes/note.txt", "figures/plot.png"} <= set(arts), arts
+    local = Path(client.download_artifacts(rid, "notes/note.txt", str(project.root / "dl")))
+    assert local.read_text() == "a note\n"
+    # mlflow.active_run() was the job's run at each start's first step
+    assert (project.root / "active_runs").read_text().split() == [rid, rid]
+    assert stray_stores(project.root) == []
+
+
+def test_long_fit_calling_mlflow_is_one_run_across_an_eviction(mlproject):
+    done = mlproject.run("job.target=mltrainer.py:fit", env={"GWL_TEST_SIGTERM_AT": "25"})
+    assert done.returncode == 75, done.stdout + done.stderr
+    again = mlproject.run("job.target=mltrainer.py:fit", check=0)
+    assert "model u.model version" in again.stdout
+    client = MlflowClient(tracking_uri=f"sqlite:///{mlproject.root / 'runs' / 'mlflow.db'}")
+    check_long_fit_run(client, mlproject)
+
+
+@pytest.mark.slow
+def test_long_fit_calling_mlflow_reports_to_a_tracking_server(mlproject, mlflow_server):
+    uri = mlflow_server.uri
+    done = mlproject.run("job.target=mltrainer.py:fit", f"tracking.uri={uri}", env={"GWL_TEST_SIGTERM_AT": "25"})
+    assert done.returncode == 75, done.stdout + done.stderr
+    mlproject.run("job.target=mltrainer.py:fit", f"tracking.uri={uri}", check=0)
+    check_long_fit_run(MlflowClient(tracking_uri=uri), mlproject)  # the only test on this server
+    assert not (mlproject.root / "runs" / "mlflow.db").exists()
+
+
+def test_short_fit_calling_mlflow_reports_into_its_run(mlproject, tmp_path):
+    import signal
+
+    from conftest import wait_until
+
+    reached, go = tmp_path / "reached", tmp_path / "go"
+    proc = mlproject.popen("job.target=mltrainer.py:fit_short", env={"GWL_TEST_SHORT_WAIT": f"{reached}:{go}"})
+    wait_until(reached.exists, timeout_s=300, what="the short fit's third point")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out + err
+    mlproject.run("job.target=mltrainer.py:fit_short", check=0)  # fits again from nothing
+    client = MlflowClient(tracking_uri=f"sqlite:///{mlproject.root / 'runs' / 'mlflow.db'}")
+    (run,) = all_runs(client)
+    assert client.get_experiment(run.info.experiment_id).name == "u.short"
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "short_metric")] == \
+        [(i + 1, float(i)) for i in range(5)]
+    assert run.data.params["user.kind"] == "short"
+    assert "short.json" in artifacts(client, run.info.run_id)
+    assert stray_stores(mlproject.root) == []
+
+
+def test_tracking_off_warns_once_and_writes_no_store(mlproject):
+    done = mlproject.run("job.target=mltrainer.py:fit", "job.tracking=false", check=0)
+    text = done.stdout + done.stderr
+    assert text.count("MLflow calls in the training function go nowhere") == 1, text
+    assert "tracking is off for this job" in text
+    assert stray_stores(mlproject.root) == [] and not (mlproject.root / "runs" / "mlflow.db").exists()
+    assert (mlproject.root / "active_runs").read_text().split() == ["gwenlake-job-run"]
+
+
+def test_a_local_run_calling_mlflow_writes_no_store(mlproject, monkeypatch, caplog):
+    import importlib.util
+
+    monkeypatch.chdir(mlproject.root)
+    spec = importlib.util.spec_from_file_location("mltrainer_local", mlproject.root / "mltrainer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.fit.local(data_root=mlproject.root / "data", steps=12)
+    assert result["loss"] > 0
+    assert "fit.local() does not track: MLflow calls in the training function go nowhere" in caplog.text
+    assert stray_stores(mlproject.root) == [] and not (mlproject.root / "runs").exists()
+    import os
+
+    assert not os.environ.get("MLFLOW_TRACKING_URI", "").startswith("gwenlake-job")  # restored afterwards
