@@ -7,6 +7,7 @@ interrupted by a real SIGTERM and resumed; then the MLflow store is read with a 
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -140,3 +141,60 @@ def test_a_local_run_calling_mlflow_writes_no_store(mlproject, monkeypatch, capl
     import os
 
     assert not os.environ.get("MLFLOW_TRACKING_URI", "").startswith("gwenlake-job")  # restored afterwards
+
+
+class RecordingTracker:
+    """The job's Tracker as the store sees it: records what it is given (the delivery is tested above)."""
+
+    def __init__(self, run_id):
+        self.run_id, self.points, self.params, self.tags, self.files = run_id, [], {}, {}, []
+
+    def wait_attached(self, timeout_s):
+        return True
+
+    def log_metrics(self, metrics, step, timestamp_ms=None):
+        self.points += [(k, v, step) for k, v in metrics.items()]
+
+    def log_params(self, params):
+        self.params.update(params)
+
+    def set_tags(self, tags):
+        self.tags.update(tags)
+
+    def log_artifact(self, local_file, artifact_path=None):
+        self.files.append((Path(local_file).read_text(), artifact_path))
+
+
+def test_without_entry_points_the_store_is_registered_once_mlflow_is_imported(tmp_path, monkeypatch):
+    """gwenlake_hpc imported from a source folder (no entry points): the schemes are registered in MLflow's
+    registries; a step-less point takes the training's step; nested runs are refused; status changes ignored."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from gwenlake_hpc.tracking import user_mlflow
+
+    monkeypatch.setattr(user_mlflow, "_plugins_installed", lambda: False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    state = tmp_path / "tracking"
+    state.mkdir()
+    (state / "run_id").write_text("abc123\n")
+    tracker = RecordingTracker("abc123")
+    step = {"now": 7}
+    with user_mlflow.reporting(tracker, state, lambda: step["now"]):
+        assert mlflow.active_run().info.run_id == "abc123"
+        mlflow.log_metric("m", 1.5, step=3)
+        mlflow.log_metric("nostep", 2.0)
+        mlflow.log_param("p", 4)
+        mlflow.set_tag("t", "x")
+        (tmp_path / "f.txt").write_text("hi")
+        mlflow.log_artifact(str(tmp_path / "f.txt"), "dir")
+        with pytest.raises(MlflowException, match="a nested run is not available"):
+            mlflow.start_run(nested=True)
+        with pytest.raises(MlflowException, match="reading a metric's history"):
+            mlflow.MlflowClient().get_metric_history("abc123", "m")
+        mlflow.end_run(status="FAILED")  # ignored by the store; a later call continues the job's run
+        mlflow.log_metric("after_end", 1.0, step=9)
+        assert mlflow.active_run().info.run_id == "abc123"
+    assert tracker.points == [("m", 1.5, 3), ("nostep", 2.0, 7), ("after_end", 1.0, 9)]
+    assert tracker.params == {"p": "4"} and tracker.tags == {"t": "x"} and tracker.files == [("hi", "dir")]
+    assert mlflow.active_run() is None and "MLFLOW_TRACKING_URI" not in os.environ

@@ -50,13 +50,13 @@ _warned: set[str] = set()
 _off_reason = "tracking is off"
 
 
-def warn_once(key: str, message: str, *args: Any) -> None:
-    """Log ``message`` as a warning the first time ``key`` is given in this process."""
+def warn_once(key: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
+    """Log ``message`` (a warning by default) the first time ``key`` is given in this process."""
     with _lock:
         if key in _warned:
             return
         _warned.add(key)
-    logger.warning(message, *args)
+    logger.log(level, message, *args)
 
 
 @contextlib.contextmanager
@@ -97,8 +97,10 @@ def reporting(tracker: Any, state_dir: Path | None, current_step: Callable[[], i
     os.environ["MLFLOW_TRACKING_URI"] = f"{SCHEME}:{key}"
     run_id = (tracker.run_id if key else None) or PENDING_RUN_ID
     os.environ["MLFLOW_RUN_ID"] = run_id
+    _register_plugins()
     started = _start_fluent_run()
-    os.environ["MLFLOW_RUN_ID"] = run_id  # MLflow's start_run consumes it; processes started later need it
+    # MLflow's start_run consumes MLFLOW_RUN_ID; a later start_run (another process, after end_run) creates a run,
+    # which the store answers with the job's run (a nested one it refuses)
     try:
         yield
     finally:
@@ -112,6 +114,37 @@ def reporting(tracker: Any, state_dir: Path | None, current_step: Callable[[], i
         if key:
             with _lock:
                 _sinks.pop(key, None)
+
+
+def _plugins_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(ep.name == SCHEME for ep in entry_points(group="mlflow.tracking_store"))
+
+
+def _register_plugins() -> None:
+    """Make MLflow know our schemes when the package's entry points are missing (gwenlake_hpc imported from a
+    source folder on ``PYTHONPATH``, not installed): possible only once MLflow is imported, through its
+    registries (not public API: failures are a warning)."""
+    if _plugins_installed():
+        return
+    if "mlflow" not in sys.modules:
+        warn_once("plugins", "gwenlake_hpc is not installed as a package (its MLflow plug-in entry points are "
+                             "missing): MLflow calls inside the training function will fail with an unknown URI "
+                             "scheme. Install it (pip install -e <checkout>) in the job's environment",
+                  level=logging.INFO)  # most trainings never call MLflow themselves
+        return
+    try:
+        from mlflow.store.artifact.artifact_repository_registry import _artifact_repository_registry
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+        from .mlflow_plugin import JobArtifactRepository, JobStore
+
+        _tracking_store_registry.register(SCHEME, JobStore)
+        _artifact_repository_registry.register(ARTIFACT_SCHEME, JobArtifactRepository)
+    except Exception as exc:  # noqa: BLE001 - MLflow's internals moved: say what to do
+        warn_once("plugins", "cannot register the gwenlake-job MLflow store (%s): install gwenlake_hpc as a package "
+                             "(pip install -e <checkout>) in the job's environment", exc)
 
 
 def _start_fluent_run() -> bool:
