@@ -304,7 +304,7 @@ def discover(root: Path, skipped: dict[str, str] | None = None) -> dict[str, "ob
         (target -> reason) when given.
     """
     from .api import TrainFunction
-    from .job import load_target
+    from .plan import load_target
 
     found: dict[str, object] = {}
     for dirpath, dirnames, filenames in os.walk(root):

@@ -60,9 +60,15 @@ def test_no_module_outside_the_command_line_imports_a_launcher():
 def test_stores_never_import_the_run_or_the_job():
     graph = imports()
     stores = ("gwenlake_hpc.checkpoints", "gwenlake_hpc.tracking", "gwenlake_hpc.versioning", "gwenlake_hpc.data")
-    upper = {"gwenlake_hpc.run", "gwenlake_hpc.job", "gwenlake_hpc.api", "gwenlake_hpc.release"}
+    upper = {"gwenlake_hpc.run", "gwenlake_hpc.job", "gwenlake_hpc.plan", "gwenlake_hpc.api", "gwenlake_hpc.release"}
     offenders = {m: sorted(deps & upper) for m, deps in graph.items() if m.startswith(stores) and deps & upper}
     assert offenders == {}
+
+
+def test_the_plan_imports_neither_the_job_nor_the_run():
+    """config -> plan -> launcher -> job -> Run: the launchers plan without the job's execution or torch's Run."""
+    deps = imports()["gwenlake_hpc.plan"]
+    assert not deps & {"gwenlake_hpc.job", "gwenlake_hpc.run", "gwenlake_hpc.local"}, sorted(deps)
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -694,7 +694,7 @@ def _plan_main(overrides: list[str]) -> int:
     from hydra import compose, initialize_config_dir
 
     from ..config import conf_dir, register
-    from ..job import plan
+    from ..plan import plan
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     register()

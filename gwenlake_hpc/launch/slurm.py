@@ -299,7 +299,7 @@ def submit(cfg: DictConfig) -> Submission | None:
         ConfigError: bad launcher values, missing secrets, a job config error found at planning.
         GwenlakeError: ``sbatch`` failed (its message is included).
     """
-    from ..job import plan
+    from ..plan import plan
     from ..tracking import is_sqlite
 
     p = plan(cfg)

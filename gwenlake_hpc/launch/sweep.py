@@ -40,7 +40,7 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
         ConfigError: tasks with different launcher settings, or a task's config error (nothing submitted).
         GwenlakeError: sbatch failed.
     """
-    from ..job import PlanCache, plan
+    from ..plan import PlanCache, plan
 
     if not configs:
         return []

@@ -29,35 +29,14 @@ import contextlib
 import logging
 import os
 import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from .user_sink import ARTIFACT_SCHEME, ATTACH_WAIT_S, PENDING_RUN_ID, SCHEME, register, set_off_reason, unregister, \
+    warn_once
+
 logger = logging.getLogger("gwenlake_hpc.tracking")
-
-SCHEME = "gwenlake-job"
-ARTIFACT_SCHEME = "gwenlake-job-artifacts"
-#: The run id MLflow is given before the delivery process has created the run (first start, server down).
-PENDING_RUN_ID = "gwenlake-job-run"
-#: How long a first start whose code imports MLflow waits for the delivery process to create the run (seconds).
-ATTACH_WAIT_S = 30.0
-
-_lock = threading.Lock()
-_sinks: dict[str, tuple[int, Any, Callable[[], int]]] = {}  # state folder -> (pid, tracker, current step)
-_warned: set[str] = set()
-_off_reason = "tracking is off"
-
-
-def warn_once(key: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
-    """Log ``message`` (a warning by default) the first time ``key`` is given in this process."""
-    with _lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    logger.log(level, message, *args)
-
 
 @contextlib.contextmanager
 def reporting(tracker: Any, state_dir: Path | None, current_step: Callable[[], int],
@@ -85,11 +64,9 @@ def reporting(tracker: Any, state_dir: Path | None, current_step: Callable[[], i
         return
     key = str(Path(state_dir).absolute()) if state_dir is not None and tracker is not None else ""
     saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID")}
-    global _off_reason
-    _off_reason = off_reason
+    set_off_reason(off_reason)
     if key:
-        with _lock:
-            _sinks[key] = (os.getpid(), tracker, current_step)
+        register(key, tracker, current_step)
     if key and "mlflow" in sys.modules and tracker.run_id is None:
         # the function's module uses MLflow: its active run should carry the real id from the first step (the
         # delivery process creates the run within seconds; at once False when the server is known down)
@@ -112,8 +89,7 @@ def reporting(tracker: Any, state_dir: Path | None, current_step: Callable[[], i
             else:
                 os.environ[k] = v
         if key:
-            with _lock:
-                _sinks.pop(key, None)
+            unregister(key)
 
 
 def _plugins_installed() -> bool:
@@ -170,92 +146,3 @@ def _end_fluent_run() -> None:
             mlflow.end_run()  # the store ignores the status: the job marks the run
 
 
-class _Sink:
-    """Where one process's MLflow calls go: the job's Tracker in the training process, a spool writer of its
-    own in a process forked from it (a DataLoader worker), or nowhere (tracking off)."""
-
-    def __init__(self, state_dir: str) -> None:
-        self.state_dir = state_dir
-        self.tracker: Any = None
-        self.step: Callable[[], int] = lambda: 0
-        self._writer: Any = None
-        self._writer_pid = 0
-        self._marks: dict[str, int] = {}
-
-    def _resolve(self) -> bool:
-        if not self.state_dir:
-            warn_once("off", "%s: MLflow calls in the training function go nowhere", _off_reason)
-            return False
-        with _lock:
-            found = _sinks.get(self.state_dir)
-        if found is not None and found[0] == os.getpid():
-            self.tracker, self.step = found[1], found[2]
-            return True
-        self.tracker = None  # another process: append to a spool segment of its own
-        if self._writer is None or self._writer_pid != os.getpid():
-            from .spool import SpoolWriter
-
-            self._writer, self._writer_pid, self._marks = SpoolWriter(Path(self.state_dir)), os.getpid(), {}
-        return True
-
-    def run_id(self) -> str:
-        if self.state_dir:
-            try:
-                return (Path(self.state_dir) / "run_id").read_text().strip() or PENDING_RUN_ID
-            except OSError:
-                pass
-        return PENDING_RUN_ID
-
-    def log(self, metrics: list[Any], params: list[Any], tags: list[Any]) -> None:
-        if not self._resolve():
-            return
-        if self.tracker is not None:
-            for m in metrics:
-                self.tracker.log_metrics({m.key: m.value}, step=self._step_of(m), timestamp_ms=m.timestamp)
-            if params:
-                self.tracker.log_params({p.key: p.value for p in params})
-            if tags:
-                self.tracker.set_tags({t.key: t.value for t in tags})
-            return
-        from .spool import encode
-
-        entries: list[Any] = []
-        for m in metrics:
-            step = int(m.step or 0)
-            if step > self._marks.get(m.key, -1):
-                self._marks[m.key] = step
-                entries.append((m.key, float(m.value), step, int(m.timestamp or time.time() * 1000)))
-        if params:
-            entries.append({"params": {p.key: str(p.value) for p in params}})
-        if tags:
-            entries.append({"tags": {t.key: str(t.value) for t in tags}})
-        self._writer.append(encode(entries))
-
-    def _step_of(self, metric: Any) -> int:
-        step = int(metric.step or 0)
-        if step == 0:  # MLflow's default for a point without a step: the training's own step
-            with contextlib.suppress(Exception):
-                return int(self.step())
-        return step
-
-    def log_artifact(self, local_file: str, artifact_path: str | None) -> None:
-        if not self._resolve():
-            return
-        if self.tracker is not None:
-            self.tracker.log_artifact(local_file, artifact_path)
-            return
-        from .spool import encode
-        from .tracker import stage_artifact
-
-        self._writer.append(encode([stage_artifact(Path(self.state_dir), local_file, artifact_path)]))
-
-
-_sink_cache: dict[str, _Sink] = {}
-
-
-def sink(state_dir: str) -> _Sink:
-    """The sink of the state folder ``state_dir`` ("" with tracking off), one per folder and process."""
-    with _lock:
-        if state_dir not in _sink_cache:
-            _sink_cache[state_dir] = _Sink(state_dir)
-        return _sink_cache[state_dir]

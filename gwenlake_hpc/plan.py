@@ -1,0 +1,354 @@
+"""The job plan: a composed config resolved into what a job will do, before it does anything.
+
+:func:`plan` imports the training function (:func:`load_target`), checks every setting (exit 2 with the key's
+name), opens the inputs (their revisions enter the run key, :func:`make_run_key`) and resolves initial model
+versions, and returns a :class:`JobPlan`: the run directory, the tracking URI, the bindings. The launchers plan
+before they submit (a bad task is refused with nothing submitted); the job (:mod:`gwenlake_hpc.job`) plans again
+where it runs and executes the plan. Imports no torch, no MLflow, no launcher.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+from .api import Input, Model, TrainFunction, resolve_params
+from .checkpoints.writer import async_default
+from .data import Catalog
+from .errors import ConfigError
+from .tracking import default_uri, is_sqlite, sqlite_path, validate_uri
+from .tracking.custom_metrics import check_settings as check_statsd
+from .versioning import default_model_repo, list_versions, open_model_repo
+
+log = logging.getLogger("gwenlake_hpc.job")
+
+
+def load_target(target: str) -> TrainFunction:
+    """Import ``module:function`` or ``path/to/file.py:function`` and return the decorated function.
+
+    Raises:
+        ConfigError: malformed target, module or file not found, no such attribute, or not ``@train``.
+    """
+    if not isinstance(target, str) or ":" not in target:
+        raise ConfigError(f"job.target={target!r}: use 'package.module:function' or 'path/to/file.py:function'")
+    mod_part, qualname = target.rsplit(":", 1)
+    if mod_part.endswith(".py"):
+        path = Path(mod_part).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(f"job.target={target!r}: file {path} does not exist")
+        mod_name = "gwenlake_job_" + hashlib.sha1(str(path).encode()).hexdigest()[:10] + "_" + re.sub(r"\W", "_", path.stem)
+        module = sys.modules.get(mod_name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(mod_name, path)
+            assert spec and spec.loader
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[mod_name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException as exc:
+                del sys.modules[mod_name]  # half-imported: a later lookup must not find it without its functions
+                if isinstance(exc, ConfigError):  # a misused @train: its message says what to change
+                    raise ConfigError(f"job.target={target!r}: importing {path.name} failed: {exc}") from None
+                raise
+    else:
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(mod_part)
+        except ModuleNotFoundError as exc:
+            if exc.name and mod_part.startswith(exc.name):
+                raise ConfigError(f"job.target={target!r}: module {mod_part!r} not found "
+                                  f"(run from the project directory, or give a file path)") from exc
+            raise
+        except ConfigError as exc:
+            raise ConfigError(f"job.target={target!r}: importing {mod_part} failed: {exc}") from None
+    obj: Any = module
+    for part in qualname.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"job.target={target!r}: {mod_part} has no attribute {qualname!r}")
+        obj = getattr(obj, part)
+    if not isinstance(obj, TrainFunction):
+        raise ConfigError(f"job.target={target!r} is not decorated with @gwenlake_hpc.train")
+    return obj
+
+
+def make_run_key(model: str, run_name: str, params: Mapping[str, Any], seed: int,
+                 datasets: Mapping[str, str], init_models: Mapping[str, str]) -> str:
+    """The run key: ``<run name>-<16 hex>`` of a hash of what defines the training's result.
+
+    Derived from the model name, the run name, the hyperparameters, the seed, the dataset revisions and the
+    initial model versions, and nothing else: not ``steps``/``epochs`` (so a larger ``--steps`` extends a run),
+    not paths, not launcher settings. So a requeued or resubmitted job finds its checkpoints.
+    """
+    doc = json.dumps({"model": model, "run": run_name, "params": params, "seed": seed,
+                      "datasets": dict(datasets), "init_models": dict(init_models)},
+                     sort_keys=True, default=str, separators=(",", ":"))
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:64]
+    return f"{safe}-{hashlib.sha256(doc.encode()).hexdigest()[:16]}"
+
+
+def _setting(cfg_job: Any, defaults: Mapping[str, Any], key: str) -> Any:
+    value = cfg_job.get(key) if hasattr(cfg_job, "get") else None
+    return defaults.get(key) if value is None else value
+
+
+@dataclass
+class JobPlan:
+    """Everything a job resolves before it trains: the function, its settings, bindings and run directory.
+
+    Built by :func:`plan` without writing anything but the datasets a ``prepare`` hook materialises, so a
+    launcher can print the run directory before submitting, and the job itself can run it.
+    """
+
+    cfg: Any
+    tf: TrainFunction
+    steps: int | None
+    epochs: int | None
+    eval_every: int
+    seed: int
+    run_name: str
+    resume: str
+    on_nonfinite: str
+    config_obj: Any
+    params: dict[str, Any]
+    tracking_uri: str | None
+    runs_root: Path
+    repo_path: Path | None
+    inputs: dict[str, Any]
+    datasets: dict[str, str]
+    dataset_facts: dict[str, Any]
+    model_versions: dict[str, str]
+    key: str
+    run_dir: Path
+
+    @property
+    def model_name(self) -> str:
+        return self.tf.output.name
+
+    @property
+    def tracking_on(self) -> bool:
+        return self.tracking_uri is not None
+
+    def model_repo(self, create: bool = True):
+        return open_model_repo(self.repo_path or default_model_repo(Path.cwd()), create=create)
+
+
+class PlanCache:
+    """Read-only facts that the plans of one sweep's tasks share instead of reading them again per task.
+
+    Datasets are keyed by path and by the file's inode, modification time (ns) and size, so a dataset replaced
+    between two plans (an atomic rename gives a new inode) is opened again. Only the process that plans a
+    sweep holds one; a job plans once, without it.
+    """
+
+    def __init__(self) -> None:
+        self._datasets: dict[tuple[str, int, int, int], Any] = {}
+
+    def open_dataset(self, catalog: Catalog, name: str) -> Any:
+        """``catalog.open(name)``, or the same :class:`~gwenlake_hpc.data.Dataset` opened for an earlier task.
+
+        Raises:
+            DataError: as :meth:`Catalog.open`.
+        """
+        path = catalog.path(name)
+        try:
+            st = path.stat()
+        except OSError:
+            return catalog.open(name)  # its own message for a missing file
+        key = (str(path), st.st_ino, st.st_mtime_ns, st.st_size)
+        if key not in self._datasets:
+            self._datasets[key] = catalog.open(name)
+        return self._datasets[key]
+
+
+def plan(cfg: DictConfig | Mapping[str, Any], cache: PlanCache | None = None) -> JobPlan:
+    """Resolve a composed config into a :class:`JobPlan`.
+
+    ``cache``: the facts shared by the tasks of one sweep (see :class:`PlanCache`); None reads everything.
+
+    Raises:
+        ConfigError: no job, bad target, bad params, bad tracking URI, missing or malformed dataset,
+            unknown initial model version.
+    """
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.create(cfg)
+    job = cfg.job
+    if OmegaConf.is_missing(job, "target"):
+        raise ConfigError("no job given: add +job=NAME (a file conf/job/NAME.yaml) or job.target=module:function")
+    tf = load_target(job.target)
+    d = tf.defaults
+    if getattr(tf, "is_short", False):
+        loop = [k for k in ("steps", "epochs", "eval_every") if job.get(k) is not None]
+        if loop:
+            raise ConfigError(f"job.{loop[0]}={job.get(loop[0])}: {tf.target} is a short fit (one call, no loop); "
+                              f"drop job.{loop[0]}")
+    resume = job.get("resume", "auto")
+    async_default()  # GWENLAKE_CHECKPOINT_ASYNC is checked before anything is written
+    on_nonfinite = str(getattr(job.get("on_nonfinite", "stop"), "value", job.get("on_nonfinite", "stop")))
+    if on_nonfinite not in ("stop", "warn"):
+        raise ConfigError(f"job.on_nonfinite={on_nonfinite!r}: use stop (a NaN loss ends the run) or warn")
+    params_cfg = OmegaConf.to_container(job.params, resolve=True) if job.get("params") is not None else {}
+    config_obj, params = resolve_params(tf, params_cfg)
+    seed = _setting(job, d, "seed")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise ConfigError(f"job.seed={seed!r}: must be an integer from 0 to 2**63-1 (torch's seed range)")
+    run_name = job.get("model") or tf.run_name
+
+    paths = cfg.paths
+    runs_root = _path_setting("paths.runs_root", paths.runs_root)
+    catalog = Catalog(_path_setting("paths.data_root", paths.data_root))
+    tracking_uri = None
+    if _setting(job, d, "tracking"):
+        tracking_uri = validate_uri(cfg.tracking.uri) if cfg.tracking.get("uri") else default_uri(runs_root)
+    repo_path = _path_setting("paths.model_repo", paths.model_repo) if paths.get("model_repo") else None
+    _check_paths(runs_root, _path_setting("paths.data_root", paths.data_root), repo_path, tracking_uri)
+    if tf.prepare is not None:
+        tf.prepare(catalog, config_obj)
+
+    # Bindings: open inputs (revisions enter the run key) and resolve initial models.
+    inputs: dict[str, Any] = {}
+    datasets: dict[str, str] = {}
+    dataset_facts: dict[str, Any] = {}
+    model_versions: dict[str, str] = {}
+    for name, b in tf.bindings.items():
+        if isinstance(b, Input):
+            ds = cache.open_dataset(catalog, b.name) if cache is not None else catalog.open(b.name)
+            inputs[name] = ds
+            datasets[name] = f"{b.name}@{ds.revision}"
+            dataset_facts[name] = {"name": b.name, "revision": ds.revision, "rows": ds.rows, "path": str(ds.path)}
+        elif isinstance(b, Model):
+            model_versions[name] = f"{b.name}@{_resolve_version(repo_path, b)}"
+
+    steps, epochs, eval_every = _length(job, d) + (_setting(job, d, "eval_every"),)
+    _check_settings(cfg, steps, epochs, eval_every)
+    statsd = cfg.get("statsd") or {}
+    check_statsd(statsd.get("host"), statsd.get("port"), statsd.get("prefix"))
+    key = make_run_key(tf.output.name, run_name, params, seed, datasets, model_versions)
+    return JobPlan(cfg=cfg, tf=tf, steps=steps, epochs=epochs, eval_every=eval_every, seed=seed, run_name=run_name,
+                   resume=str(getattr(resume, "value", resume)), on_nonfinite=on_nonfinite,
+                   config_obj=config_obj, params=params,
+                   tracking_uri=tracking_uri, runs_root=runs_root, repo_path=repo_path, inputs=inputs,
+                   datasets=datasets, dataset_facts=dataset_facts, model_versions=model_versions, key=key,
+                   run_dir=runs_root / tf.output.name / key)
+
+
+def _path_setting(key: str, value: Any) -> Path:
+    """The absolute path of a ``paths.*`` setting (``~`` expanded, symlinks resolved).
+
+    Raises:
+        ConfigError: empty (it would silently mean the working directory), or unresolvable (a symlink loop).
+    """
+    if value is None or not str(value).strip():
+        raise ConfigError(f"{key} is empty: give a folder (e.g. {key}=runs), or leave it out for the default")
+    try:
+        return Path(str(value)).expanduser().resolve()
+    except (RuntimeError, OSError) as exc:  # RuntimeError: a symlink loop
+        raise ConfigError(f"{key}={value!r} cannot be resolved ({exc}): point it to a real folder") from None
+
+
+def _check_paths(runs_root: Path, data_root: Path, repo_path: Path | None, tracking_uri: str | None) -> None:
+    """Refuse, before any work, folders the job could only fail on later (after hours of training, for the model
+    repository). Writes nothing but the runs root folder itself, and a probe file that is removed at once.
+
+    Raises:
+        ConfigError: naming the ``paths.*`` setting and what to do.
+    """
+    for key, value in (("paths.runs_root", runs_root), ("paths.data_root", data_root), ("paths.model_repo", repo_path)):
+        if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in str(value)):
+            raise ConfigError(f"{key}={str(value)!r} holds control characters (a newline?): remove them")
+    if data_root.exists() and not data_root.is_dir():
+        raise ConfigError(f"paths.data_root={data_root} is a file, not a folder: point it to the folder that holds "
+                          "the datasets (<data_root>/<group>/<name>.h5)")
+    if runs_root.exists() and not runs_root.is_dir():
+        raise ConfigError(f"paths.runs_root={runs_root} is a file, not a folder: point it to a writable folder")
+    try:
+        runs_root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=runs_root, prefix=".gwenlake-probe-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"paths.runs_root={runs_root} cannot be written ({exc.strerror or exc}): point it to a "
+                          "writable folder on the shared filesystem (run directories and checkpoints go there)") \
+            from None
+    store = sqlite_path(tracking_uri) if tracking_uri and is_sqlite(tracking_uri) else None
+    if store is not None:
+        try:
+            store.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=store.parent, prefix=".gwenlake-probe-"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"tracking.uri={tracking_uri}: the store's folder {store.parent} cannot be written "
+                              f"({exc.strerror or exc}); point it to a writable folder, or use a tracking server "
+                              "(http://host:5000)") from None
+    if repo_path is not None and not repo_path.exists():
+        # Created at the commit, after the whole training: its nearest existing folder must take a new one.
+        parent = next(p for p in repo_path.parents if p.exists())
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"paths.model_repo={repo_path} cannot be created ({parent} is "
+                              f"{'not a folder' if not parent.is_dir() else 'not writable'}): point it to a git "
+                              "repository, or to a new folder in a writable place")
+    if repo_path is not None and repo_path.exists():
+        if not repo_path.is_dir():
+            raise ConfigError(f"paths.model_repo={repo_path} is a file, not a git repository: point it to a "
+                              "repository, or to a new folder (one is created there)")
+        if any(repo_path.iterdir()):
+            open_model_repo(repo_path, create=False)  # ConfigError when it is not a repository's top level
+
+
+def _length(job: Any, defaults: Mapping[str, Any]) -> tuple[Any, Any]:
+    """``(steps, epochs)``: the command line / job config over the decorator, one of the two at most.
+
+    ``job.epochs`` given in the config replaces a ``steps`` that only comes from the decorator (and the other
+    way round); both given in the config is refused rather than one silently ignored.
+    """
+    steps, epochs = job.get("steps"), job.get("epochs")
+    if steps is not None and epochs is not None:
+        raise ConfigError(f"job.steps={steps} and job.epochs={epochs} are both set: keep one (e.g. job.steps=null)")
+    if steps is not None or epochs is not None:
+        return steps, epochs
+    return defaults.get("steps"), defaults.get("epochs")
+
+
+def _check_settings(cfg: Any, steps: Any, epochs: Any, eval_every: Any) -> None:
+    """Refuse bad settings before anything is written (run.json, tracking, checkpoints)."""
+    if steps is not None and (not isinstance(steps, int) or not 1 <= steps < 2**62):
+        # 0 would commit an untrained model as a version (and move `candidate` to it)
+        raise ConfigError(f"job.steps={steps!r}: must be an integer >= 1 (a training of 0 steps trains nothing)")
+    if epochs is not None and (not isinstance(epochs, int) or not 1 <= epochs < 2**62):
+        raise ConfigError(f"job.epochs={epochs!r}: must be an integer >= 1")
+    if not isinstance(eval_every, int) or eval_every < 1:
+        raise ConfigError(f"job.eval_every={eval_every!r}: must be an integer >= 1")
+    progress = (cfg.get("launcher") or {}).get("progress", "auto")
+    if progress not in ("auto", "bar", "lines", "off"):
+        raise ConfigError(f"launcher.progress={progress!r}: use auto, bar, lines or off")
+
+
+def _resolve_version(repo_path: Path | None, b: Model) -> str:
+    repo = open_model_repo(repo_path or default_model_repo(Path.cwd()), create=False)
+    if b.alias is not None:
+        from .registry import resolve_alias
+
+        sha = resolve_alias(b.name, b.alias, repo)  # logs the version it resolved
+        log.info("Model(%r, alias=%r) resolved to version %s", b.name, b.alias, sha)
+        return sha
+    if b.version is None:
+        versions = list_versions(repo, b.name)
+        if not versions:
+            raise ConfigError(f"Model({b.name!r}): the model repository {repo.working_dir} has no "
+                              "version of it yet; train it first or give version=SHA")
+        return versions[0]["version"]
+    try:
+        return repo.git.rev_parse("--verify", f"{b.version}^{{commit}}")
+    except Exception as exc:
+        raise ConfigError(f"Model({b.name!r}, version={b.version!r}): no such commit in {repo.working_dir}") from exc
