@@ -353,16 +353,18 @@ def submit_training(target: str, overrides: Sequence[str], job: str | None = Non
     return JobHandle(sub.job_id, sub.run_dir)
 
 
-def job_container(cfg: DictConfig, tracking_uri: str | None, model_repo: Path | None = None) -> dict[str, Any]:
+def job_container(cfg: DictConfig, tracking_uri: str | None, model_repo: Path | None = None,
+                  fill_model_repo: bool = True) -> dict[str, Any]:
     """The config a job receives: plain data, paths made absolute (the job may start elsewhere), no Hydra node.
 
     ``model_repo``: the default model repository when ``paths.model_repo`` is unset, if the caller found it
-    already (a sweep, once for all tasks); else it is looked up here (:func:`default_model_repo`).
+    already; else it is looked up here (:func:`default_model_repo`), unless ``fill_model_repo`` is False (a
+    sweep fills it once for all its tasks).
     """
     container = OmegaConf.to_container(cfg, resolve=True)
     container.pop("hydra", None)
     container["paths"] = {k: (str(Path(v).expanduser().resolve()) if v else v) for k, v in container["paths"].items()}
-    if not container["paths"].get("model_repo"):
+    if not container["paths"].get("model_repo") and fill_model_repo:
         from ..versioning import default_model_repo
 
         container["paths"]["model_repo"] = str(model_repo or default_model_repo(Path.cwd()))

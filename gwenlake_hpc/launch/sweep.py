@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ..errors import ConfigError, GwenlakeError
 from . import status as slurm_status
@@ -44,10 +44,6 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
 
     if not configs:
         return []
-    launchers = {json.dumps(OmegaConf.to_container(c.launcher, resolve=True), sort_keys=True, default=str)
-                 for _, c in configs}
-    if len(launchers) > 1:
-        raise ConfigError("a sweep is one job array: launcher.* must be the same for every task")
     cache = PlanCache()  # one sweep's tasks read the same datasets
     plans = [plan(cfg, cache) for _, cfg in configs]  # every task checked before anything is submitted
     lc = with_declared(configs[0][1].launcher, plans[0].tf.resources)  # @train(cpu=, memory=, gpu=...) under launcher.*
@@ -55,11 +51,18 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
     folder = Path(lc.folder) if lc.get("folder") else runs_root / ".arrays" / time.strftime("%Y%m%d-%H%M%S")
     params = sbatch_parameters(lc, job_name=f"gwenlake-sweep:{plans[0].model_name}")
     check_secrets(lc)
-    from ..versioning import default_model_repo
+    containers = [job_container(cfg, p.tracking_uri, model_repo=None, fill_model_repo=False)
+                  for (_, cfg), p in zip(configs, plans)]
+    # the plain configs hold each task's launcher settings already (converting each node again costs ~1 ms)
+    if len({json.dumps(c["launcher"], sort_keys=True, default=str) for c in containers}) > 1:
+        raise ConfigError("a sweep is one job array: launcher.* must be the same for every task")
+    unset = [c for c in containers if not c["paths"].get("model_repo")]
+    if unset:  # looked up once, not per task (it may create <cwd>/models)
+        from ..versioning import default_model_repo
 
-    # once, not per task; only when a task leaves paths.model_repo unset (it may create <cwd>/models)
-    repo = default_model_repo(Path.cwd()) if any(not c.paths.get("model_repo") for _, c in configs) else None
-    containers = [job_container(cfg, p.tracking_uri, repo) for (_, cfg), p in zip(configs, plans)]
+        repo = str(default_model_repo(Path.cwd()))
+        for c in unset:
+            c["paths"]["model_repo"] = repo
     container_step(lc, containers[0], folder, write=False, others=containers[1:])  # refused before writing
     folder.mkdir(parents=True, exist_ok=True)
     secrets = write_secrets(lc, folder)
