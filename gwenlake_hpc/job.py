@@ -251,6 +251,8 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     launcher = cfg.get("launcher") or {}
 
     reports = tracking_on and d.is_main
+    # a point MLflow records at step 0 (no step given) goes to the loop's current step; a short fit has no loop
+    current_step = (lambda: 0) if getattr(tf, "is_short", False) else (lambda: run.step)
     if reports:
         off_reason = ""
     else:
@@ -286,7 +288,7 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
                 try:
                     # gwenlake_hpc.log_metrics(), GWENLAKE_RUN_ID, and MLflow's own API into the job's run
                     with active_run(run), user_mlflow.reporting(tracker if reports else None, state_dir,
-                                                                lambda: run.step, off_reason):
+                                                                current_step, off_reason):
                         result = tf.fn(**kwargs)
                     run.wait_for_checkpoint()  # a background write that failed fails the job here
                     break

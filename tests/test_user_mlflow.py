@@ -118,6 +118,18 @@ def test_short_fit_calling_mlflow_reports_into_its_run(mlproject, tmp_path):
     assert stray_stores(mlproject.root) == []
 
 
+@pytest.mark.parametrize("tracking", ["true", "false"])
+def test_mlflow_imported_in_the_function_and_left_active_makes_no_store_in_the_working_directory(mlproject, tracking):
+    """MLflow's exit hook ends a run left active: against its default store (./mlflow.db) unless the job ended
+    it while the URI was still the job's."""
+    mlproject.run("job.target=mltrainer.py:fit_inner", f"job.tracking={tracking}", check=0)
+    assert stray_stores(mlproject.root) == []
+    if tracking == "true":
+        client = MlflowClient(tracking_uri=f"sqlite:///{mlproject.root / 'runs' / 'mlflow.db'}")
+        (run,) = all_runs(client)
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "inner")] == [1, 2, 3, 4, 5]
+
+
 def test_tracking_off_warns_once_and_writes_no_store(mlproject):
     done = mlproject.run("job.target=mltrainer.py:fit", "job.tracking=false", check=0)
     text = done.stdout + done.stderr
@@ -192,9 +204,17 @@ def test_without_entry_points_the_store_is_registered_once_mlflow_is_imported(tm
             mlflow.start_run(nested=True)
         with pytest.raises(MlflowException, match="reading a metric's history"):
             mlflow.MlflowClient().get_metric_history("abc123", "m")
+        from sklearn.linear_model import LinearRegression
+
+        with pytest.raises(MlflowException, match="save the model's files in the function's Output folder"):
+            mlflow.sklearn.log_model(LinearRegression(), name="m")
+        with mlflow.start_run() as own:  # the user's own start_run replaces the run opened for active_run()
+            assert own.info.run_id == "abc123"
+            mlflow.log_metric("in_own", 3.0, step=8)
         mlflow.end_run(status="FAILED")  # ignored by the store; a later call continues the job's run
         mlflow.log_metric("after_end", 1.0, step=9)
         assert mlflow.active_run().info.run_id == "abc123"
-    assert tracker.points == [("m", 1.5, 3), ("nostep", 2.0, 7), ("after_end", 1.0, 9)]
+    assert tracker.points == [("m", 1.5, 3), ("nostep", 2.0, 7), ("in_own", 3.0, 8), ("after_end", 1.0, 9)]
     assert tracker.params == {"p": "4"} and tracker.tags == {"t": "x"} and tracker.files == [("hi", "dir")]
     assert mlflow.active_run() is None and "MLFLOW_TRACKING_URI" not in os.environ
+    assert mlflow.start_run.__module__ == "mlflow.tracking.fluent"  # the wrapper is gone

@@ -99,6 +99,22 @@ class JobStore(AbstractStore):
             raise _refuse("a nested run")
         return Run(self._info(), RunData())
 
+    def create_logged_model(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: the job's model is its Output, committed as a version (see the message)."""
+        from mlflow.exceptions import MlflowException
+
+        raise MlflowException(
+            "MLflow logged models (mlflow.<flavor>.log_model, autolog's model) are not stored by a gwenlake_hpc "
+            "training: save the model's files in the function's Output folder (output.file(...)); the job commits "
+            "them as the model's version and registers it in MLflow's Model Registry",
+            error_code="INVALID_PARAMETER_VALUE")
+
+    def search_logged_models(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse("searching logged models")
+
+    def get_logged_model(self, *args: Any, **kwargs: Any) -> Any:
+        raise _refuse("reading a logged model")
+
     def get_metric_history(self, *args: Any, **kwargs: Any) -> Any:
         raise _refuse("reading a metric's history")
 

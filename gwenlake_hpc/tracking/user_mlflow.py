@@ -26,6 +26,7 @@ when the user's code calls it, so a training that does not use MLflow pays nothi
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -33,7 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .user_sink import ARTIFACT_SCHEME, ATTACH_WAIT_S, PENDING_RUN_ID, SCHEME, register, set_off_reason, unregister, \
+from .user_sink import ARTIFACT_SCHEME, ATTACH_WAIT_S, SCHEME, register, set_off_reason, unregister, \
     warn_once
 
 logger = logging.getLogger("gwenlake_hpc.tracking")
@@ -72,17 +73,19 @@ def reporting(tracker: Any, state_dir: Path | None, current_step: Callable[[], i
         # delivery process creates the run within seconds; at once False when the server is known down)
         tracker.wait_attached(ATTACH_WAIT_S)
     os.environ["MLFLOW_TRACKING_URI"] = f"{SCHEME}:{key}"
-    run_id = (tracker.run_id if key else None) or PENDING_RUN_ID
-    os.environ["MLFLOW_RUN_ID"] = run_id
+    # no MLFLOW_RUN_ID: every start_run (MLflow's own at the first call, the user's, a forked process's) creates
+    # a run, which the store answers with the job's run (a nested one it refuses)
+    os.environ.pop("MLFLOW_RUN_ID", None)
     _register_plugins()
-    started = _start_fluent_run()
-    # MLflow's start_run consumes MLFLOW_RUN_ID; a later start_run (another process, after end_run) creates a run,
-    # which the store answers with the job's run (a nested one it refuses)
+    restore = _start_fluent_run()
     try:
         yield
     finally:
-        if started:
-            _end_fluent_run()
+        # every fluent run ends while the URI is still ours: MLflow's exit hook would end one left active against
+        # its default store (a new ./mlflow.db); the store ignores the status
+        _end_fluent_runs()
+        if restore is not None:
+            restore()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -123,26 +126,46 @@ def _register_plugins() -> None:
                              "(pip install -e <checkout>) in the job's environment", exc)
 
 
-def _start_fluent_run() -> bool:
+def _start_fluent_run() -> Callable[[], None] | None:
+    """Start the job's run in MLflow's fluent API when MLflow is imported already, so that ``mlflow.active_run()``
+    is the job's run from the first step. The user's own ``mlflow.start_run()`` (``with mlflow.start_run():``)
+    would then find a run active and fail: ``mlflow.start_run`` is wrapped to end ours first (not for a nested
+    run, which the store refuses). Returns what undoes the wrapper, or None when nothing was started."""
     mlflow = sys.modules.get("mlflow")
     if mlflow is None or not hasattr(mlflow, "start_run"):
-        return False
+        return None
     try:
-        if mlflow.active_run() is None:
-            mlflow.start_run()  # MLFLOW_RUN_ID: the job's run, through the store below
-            return True
+        if mlflow.active_run() is not None:
+            return None
+        ours = mlflow.start_run()
     except Exception as exc:  # noqa: BLE001 - the user's MLflow setup; the training goes on
         logger.warning("MLflow's fluent run could not be started on the job's run (%s); mlflow.log_* calls "
                        "start it at their first use", exc)
-    return False
+        return None
+    real = mlflow.start_run
+
+    @functools.wraps(real)
+    def start_run(*args: Any, **kwargs: Any) -> Any:
+        nested = kwargs.get("nested", args[3] if len(args) > 3 else False)
+        if not nested and mlflow.active_run() is ours:
+            mlflow.end_run()  # the run opened for active_run(): the user's own start_run takes its place
+        return real(*args, **kwargs)
+
+    mlflow.start_run = start_run
+
+    def restore() -> None:
+        if mlflow.start_run is start_run:
+            mlflow.start_run = real
+
+    return restore
 
 
-def _end_fluent_run() -> None:
-    import mlflow
-
+def _end_fluent_runs() -> None:
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is None or not hasattr(mlflow, "active_run"):
+        return
     with contextlib.suppress(Exception):
-        run = mlflow.active_run()
-        if run is not None and mlflow.get_tracking_uri().startswith(f"{SCHEME}:"):
-            mlflow.end_run()  # the store ignores the status: the job marks the run
-
-
+        for _ in range(100):  # runs nested in each other: one end_run each
+            if mlflow.active_run() is None or not mlflow.get_tracking_uri().startswith(f"{SCHEME}:"):
+                break
+            mlflow.end_run()
