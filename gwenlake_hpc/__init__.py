@@ -19,8 +19,8 @@ _EXPORTS = {
     "default_device": ".device",
     "CheckpointError": ".errors", "ConfigError": ".errors", "DataError": ".errors", "GwenlakeError": ".errors",
     "LoadedModel": ".registry", "load_model": ".registry", "save_model": ".registry",
-    "Run": ".run", "ShieldedWorkerInit": ".run", "log_metrics": ".run", "current_run": ".run",
-    "checkpoint": ".run", "last_checkpoint_path": ".run", "log_rollout": ".run",
+    "Run": ".run", "ShieldedWorkerInit": ".rng", "log_metrics": ".current", "current_run": ".current",
+    "checkpoint": ".current", "last_checkpoint_path": ".current", "log_rollout": ".current",
     "load_state": ".checkpoints.state", "save_state": ".checkpoints.state",
     "log_custom_metric": ".tracking.custom_metrics",
 }

@@ -261,8 +261,9 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
                       "tracking is off for this job (tracking=False or job.tracking=false)")
 
     # torch comes with the Run: planning and submitting a job (the launchers) never load it
-    from .run import Run, seed_everything
-    from .run import active as active_run
+    from .current import active as active_run
+    from .rng import seed_everything
+    from .run import Run
 
     def make_run() -> Run:
         seed_everything(seed + d.rank)

@@ -20,7 +20,9 @@ from .bindings import Input, Model, Output, resolve_params
 if TYPE_CHECKING:
     from .api import TrainFunction
 from .errors import ConfigError
-from .run import Run, active, seed_everything
+from .current import active
+from .rng import seed_everything
+from .run import Run
 from .signals import StopRequest
 from .tracking import user_mlflow
 from .tracking.tracker import NullTracker

@@ -8,107 +8,28 @@ without slowing the loop.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import logging
 import math
 import os
-import random
 import shutil
 import signal
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
-import numpy as np
-import torch
-
 from .checkpoints import (BackgroundWriter, BufferPool, Checkpoint, CheckpointStore, PendingCheckpoint,
                          rank_state_name)
 from .checkpoints.writer import async_default
 from .distributed import Dist
-from .errors import CheckpointError, ConfigError, GwenlakeError, NonFiniteError
+from .errors import CheckpointError, ConfigError, NonFiniteError
 from .progress import Progress
+from .rng import rng_state, set_rng_state, shield_workers
 from .signals import StopRequest
 from .tracking.metric_tags import run_tag, tagged_series
 
 log = logging.getLogger("gwenlake_hpc.run")
-
-
-# --- RNG state ------------------------------------------------------------------------------------------------
-
-def rng_state() -> dict[str, Any]:
-    """Python, numpy (global), torch CPU and (if initialised) CUDA RNG states, as JSON-able values."""
-    py = random.getstate()
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": [py[0], list(py[1]), py[2]],
-        "numpy": [np_kind, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
-        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned."""
-    v, internal, gauss = state["python"]
-    random.setstate((v, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, gauss_np = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss_np))
-    raw = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
-    torch.set_rng_state(torch.from_numpy(raw))
-    if "cuda" in state and torch.cuda.is_available():
-        cuda = [torch.from_numpy(np.frombuffer(base64.b64decode(s), dtype=np.uint8).copy()) for s in state["cuda"]]
-        if len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda)
-        else:
-            log.warning("checkpoint has CUDA RNG states for %d devices, this node has %d: not restored",
-                        len(cuda), torch.cuda.device_count())
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python's, numpy's global and torch's (all devices) RNGs."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-# --- worker processes ---------------------------------------------------------------------------------------
-
-class ShieldedWorkerInit:
-    """A DataLoader ``worker_init_fn`` that makes the worker ignore the stop signals, then calls the user's.
-
-    SLURM signals every process of the job step (preemption, scancel, the time-limit warning), and PyTorch's
-    workers install a handler that dies on SIGTERM: the main process would then fail with "DataLoader worker
-    killed" in the middle of a step instead of checkpointing at its end. Workers ignore the signals; the main
-    process decides, and its exit ends them (PyTorch's shutdown, or its watchdog when the parent is gone).
-    Picklable, so it works with the ``spawn`` start method too.
-    """
-
-    def __init__(self, inner: Any = None):
-        self.inner = inner
-
-    def __call__(self, worker_id: int) -> None:
-        import signal
-
-        from .signals import STOP_SIGNALS
-
-        for s in STOP_SIGNALS:
-            signal.signal(s, signal.SIG_IGN)
-        if self.inner is not None:
-            self.inner(worker_id)
-
-
-def shield_workers(batches: Any) -> None:
-    """Give a ``torch.utils.data.DataLoader`` with worker processes a :class:`ShieldedWorkerInit` (once)."""
-    from torch.utils.data import DataLoader
-
-    if isinstance(batches, DataLoader) and batches.num_workers > 0 \
-            and not isinstance(batches.worker_init_fn, ShieldedWorkerInit):
-        batches.worker_init_fn = ShieldedWorkerInit(batches.worker_init_fn)
 
 
 # --- the checkpoint handle users see -------------------------------------------------------------------------
@@ -783,110 +704,8 @@ class Run:
 
 
 #: The Run whose training function is running in this process (set by the job around the call).
-_ACTIVE: Run | None = None
 
 
-@contextlib.contextmanager
-def active(run: Run) -> Iterator[Run]:
-    """Make ``run`` the current run while the training function runs (:func:`current_run`), and set
-    ``GWENLAKE_RUN_ID`` (the run key) for it and the processes it starts."""
-    global _ACTIVE
-    previous, _ACTIVE = _ACTIVE, run
-    os.environ["GWENLAKE_RUN_ID"] = run.run_key
-    try:
-        yield run
-    finally:
-        _ACTIVE = previous
-
-
-def current_run() -> Run:
-    """The Run of the training running in this process.
-
-    Raises:
-        GwenlakeError: no training runs here (a plain script, a notebook, a DataLoader worker process).
-    """
-    if _ACTIVE is None:
-        raise GwenlakeError("no training runs in this process: call this inside a @train function run by "
-                            "`python -m gwenlake_hpc +job=NAME` or `gwenlake-train` (or use its `run` argument)")
-    return _ACTIVE
-
-
-def log_metrics(metrics: Mapping[str, Any], tags: Mapping[str, Any] | None = None, step: int | None = None) -> None:
-    """``run.log(metrics, step=step, tags=tags)`` on the current run, for code that is not handed ``run``
-    (a metrics helper, a callback). See :meth:`Run.log` for tags and steps.
-
-    Raises:
-        GwenlakeError: outside a training (see :func:`current_run`); ValueError: bad tags.
-    """
-    current_run().log(metrics, step=step, tags=tags)
-
-
-def checkpoint(model: Any, path: str | None = None, metadata: Mapping[str, Any] | None = None,
-               additional_files: Iterable[str | os.PathLike[str]] = ()) -> Path:
-    """Save ``model`` as a named checkpoint of the current run's model (see :mod:`gwenlake_hpc.checkpoints.named`).
-
-    Args:
-        model: an ``nn.Module`` (its state_dict) or a state_dict; stored as ``model.safetensors``.
-        path: the checkpoint's name (default: the run key); letters, digits, ``_ . -``.
-        metadata: JSON-able values kept in ``checkpoint.json`` with the run key and step.
-        additional_files: files copied beside the weights.
-
-    Returns:
-        The checkpoint's folder ``<runs_root>/<model name>/named/<path>/`` (on ranks other than 0, where
-        nothing is written, the folder rank 0 writes).
-
-    Raises:
-        GwenlakeError: outside a training (``GWENLAKE_RUN_ID`` unset); ConfigError: a bad name, metadata or file.
-    """
-    from .checkpoints.named import check_name, save_named, store_dir
-
-    run = current_run()
-    name = check_name(path or run.run_key)
-    if not run.is_main:
-        return store_dir(run.run_dir.parent) / name
-    dest = save_named(run.run_dir.parent, name, model, run_key=run.run_key, step=run.step, metadata=metadata,
-                      additional_files=additional_files)
-    log.info("named checkpoint %s saved at step %d: %s", name, run.step, dest)
-    return dest
-
-
-def last_checkpoint_path() -> Path | None:
-    """The folder of the newest named checkpoint of the current run's model (written by this run or any other
-    run of the model), or None when there is none yet.
-
-    Raises:
-        GwenlakeError: outside a training.
-    """
-    from .checkpoints.named import latest_path
-
-    return latest_path(current_run().run_dir.parent)
-
-
-def log_rollout(messages: Any, reward: float | None = None, step: int | None = None, task_id: str | None = None,
-                metrics: Mapping[str, Any] | None = None, rollout_id: str | None = None) -> str:
-    """Record one RL episode as an MLflow trace of the current run (see :mod:`gwenlake_hpc.tracking.rollouts`).
-
-    Args:
-        messages: the conversation in the OpenAI chat format (``role``, ``content``, ``tool_calls``,
-            ``tool_call_id``), checked here.
-        reward: the episode's reward (a finite number), or None.
-        step: the training step it belongs to (default ``run.step``).
-        task_id: the task or prompt id, recorded as the tag ``gwenlake.task_id``.
-        metrics: further numbers attached to the trace.
-        rollout_id: 32 lowercase hex characters (default: drawn); a rollout logged again with the same id after a
-            restart is not created twice.
-
-    Returns:
-        The rollout id (the trace's ``gwenlake.rollout_id`` tag).
-
-    Raises:
-        GwenlakeError: outside a training; ValueError: bad messages, reward, metrics or id (nothing recorded).
-    """
-    from .tracking.rollouts import rollout_entry
-
-    run = current_run()
-    entry = rollout_entry(messages, reward=reward, step=run.step if step is None else int(step), task_id=task_id,
-                          metrics=metrics, rollout_id=rollout_id)
-    if run.is_main:
-        run.tracker.log_rollout(entry)
-    return str(entry["rollout"]["id"])
+# the helpers of the current run and of the RNG, re-exported where users and the job found them
+from .current import active, checkpoint, current_run, last_checkpoint_path, log_metrics, log_rollout  # noqa: E402,F401
+from .rng import ShieldedWorkerInit, seed_everything  # noqa: E402,F401
