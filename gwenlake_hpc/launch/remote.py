@@ -597,16 +597,11 @@ def wait_remote(record: dict, timeout_s: float | None = None, poll_s: float = 2.
     Raises:
         TimeoutError: ``timeout_s`` passed first.
     """
-    from .status import FINAL_STATES
+    from .status import poll_until_final
 
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        state, _ = remote_state(record)
-        if state.split()[0] in FINAL_STATES:
-            return remote_job_status(record)
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"job {record['job_id']} on {record['cluster']} still {state} after {timeout_s} s")
-        time.sleep(poll_s)
+    poll_until_final(lambda: remote_state(record)[0], f"job {record['job_id']} on {record['cluster']}", timeout_s,
+                     poll_s)
+    return remote_job_status(record)
 
 
 class RemoteJobHandle(JobHandle):

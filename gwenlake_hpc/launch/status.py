@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,20 +110,32 @@ def scancel(job_id: str) -> int:
     return 0
 
 
+def poll_until_final(state: Callable[[], str], what: str, timeout_s: float | None = None,
+                     poll_s: float = 2.0) -> str:
+    """Call ``state()`` (a SLURM state such as ``RUNNING`` or ``CANCELLED by 0``) every ``poll_s`` seconds until
+    it is final (a requeue is not); returns that state. Used for local and remote jobs alike.
+
+    Raises:
+        TimeoutError: ``timeout_s`` passed first (``what`` names the job in the message).
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        current = state()
+        if current.split()[0] in FINAL_STATES:
+            return current
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"{what} still {current} after {timeout_s} s")
+        time.sleep(poll_s)
+
+
 def wait(job_id: str, run_dir: Path, timeout_s: float | None = None, poll_s: float = 2.0) -> JobStatus:
     """Block until the job reaches a final state (a requeue is not one).
 
     Raises:
         TimeoutError: ``timeout_s`` passed first.
     """
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        state, _ = slurm_state(job_id)
-        if state.split()[0] in FINAL_STATES:
-            return job_status({"job_id": job_id, "run_dir": str(run_dir), "run_key": Path(run_dir).name})
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"job {job_id} still {state} after {timeout_s} s")
-        time.sleep(poll_s)
+    poll_until_final(lambda: slurm_state(job_id)[0], f"job {job_id}", timeout_s, poll_s)
+    return job_status({"job_id": job_id, "run_dir": str(run_dir), "run_key": Path(run_dir).name})
 
 
 def array_states(array_id: str, run=_run) -> dict[str, str]:
