@@ -113,9 +113,12 @@ def test_a_sweep_in_a_container_is_one_array_and_every_task_records_the_image(pr
     bundle = make_bundle(tmp_path / "bundle")
     proc = project.run("-m", "+job=t", "launcher=slurm", "launcher.timeout_min=5", "launcher.partition=high",
                        "launcher.wait=true", f"launcher.container.image={bundle}",
-                       f"launcher.container.python={sys.executable}", "job.params.lr=0.1,0.2", check=0, timeout=600)
+                       f"launcher.container.python={sys.executable}", "+launcher.container.env.GWL_TEST_NOTE=1",
+                       "job.params.lr=0.1,0.2", check=0, timeout=600)
     assert len(re.findall(r"COMPLETED", proc.stdout)) >= 2, proc.stdout + proc.stderr
     infos = [json.loads(p.read_text()) for p in (project.root / "runs" / "t.model").glob("*/run.json")]
     assert len(infos) == 2
+    # launcher.container.env reached the training inside the container: GWL_TEST_NOTE makes it write note.txt
+    assert len(list((project.root / "runs" / "t.model").glob("*/output/note.txt"))) == 2
     digests = {s["container"]["digest"] for info in infos for s in info["starts"]}
     assert len(digests) == 1 and next(iter(digests)).startswith("sha256:")
