@@ -80,3 +80,14 @@ def test_warned_nan_model_is_committed_with_valid_json_and_no_candidate(project)
     listing = project.run("models", "list", "t.model", check=0).stdout
     assert "candidate" not in listing
     assert math.isnan(float(metrics["final_loss"]))
+
+
+def test_nan_in_an_imported_table_is_reported_once_per_column(tmp_path, caplog):
+    """`data import` writes in chunks: the NaN count of a column covers every chunk, reported once."""
+    from gwenlake_hpc.data import Catalog
+
+    csv = tmp_path / "t.csv"
+    csv.write_text("a,b\n" + "".join(f"{i},{'' if i % 4 == 0 else i}\n" for i in range(10)))
+    Catalog(tmp_path / "data").import_table(csv, "g.t", chunk_rows=3)
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "NaN" in r.getMessage()]
+    assert len(msgs) == 1 and "column 'b' holds 3 NaN or infinite value(s) in 10 row(s)" in msgs[0], msgs
