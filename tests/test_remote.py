@@ -355,6 +355,11 @@ def test_a_container_job_over_ssh_is_checked_and_made_on_the_login_node(rc, tmp_
     _, proc = rc.submit(f"cluster.launcher.container.image={tmp_path}/nothing", check=2)
     assert "launcher.container.image" in proc.stdout + proc.stderr and "does not exist" in proc.stdout + proc.stderr
     assert not (rc.remote / "runs").exists() or not list((rc.remote / "runs").rglob("oci-bundle"))
+    sif = tmp_path / "train.sif"  # an image file, but no Apptainer on the login node (none on this machine)
+    sif.write_bytes(b"not really an image")
+    _, proc = rc.submit(f"cluster.launcher.container.image={sif}", "cluster.launcher.container.runtime=apptainer",
+                        check=2)
+    assert "launcher.container.runtime=apptainer: `apptainer` is not installed" in proc.stdout + proc.stderr
     bundle = make_bundle(tmp_path / "bundle")
     job, proc = rc.submit(f"cluster.launcher.container.image={bundle}",
                           f"cluster.launcher.container.python={sys.executable}")

@@ -192,6 +192,9 @@ def test_without_entry_points_the_store_is_registered_once_mlflow_is_imported(tm
     (state / "run_id").write_text("abc123\n")
     tracker = RecordingTracker("abc123")
     step = {"now": 7}
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    mlflow.set_tracking_uri(other)  # the module's own choice: set aside while the function runs
+    monkeypatch.setattr("mlflow.tracking._tracking_service.utils._tracking_uri", other)  # undone after the test
     with user_mlflow.reporting(tracker, state, lambda: step["now"]):
         assert mlflow.active_run().info.run_id == "abc123"
         mlflow.log_metric("m", 1.5, step=3)
@@ -216,5 +219,19 @@ def test_without_entry_points_the_store_is_registered_once_mlflow_is_imported(tm
         assert mlflow.active_run().info.run_id == "abc123"
     assert tracker.points == [("m", 1.5, 3), ("nostep", 2.0, 7), ("in_own", 3.0, 8), ("after_end", 1.0, 9)]
     assert tracker.params == {"p": "4"} and tracker.tags == {"t": "x"} and tracker.files == [("hi", "dir")]
-    assert mlflow.active_run() is None and "MLFLOW_TRACKING_URI" not in os.environ
+    assert mlflow.active_run() is None
     assert mlflow.start_run.__module__ == "mlflow.tracking.fluent"  # the wrapper is gone
+    assert mlflow.get_tracking_uri() == other and not (tmp_path / "other.db").exists()
+    os.environ.pop("MLFLOW_TRACKING_URI", None)  # set_tracking_uri exported it
+
+
+def test_a_tracking_uri_set_in_the_environment_or_by_the_module_is_set_aside(mlproject, tmp_path):
+    """A shell profile's MLFLOW_TRACKING_URI and an mlflow.set_tracking_uri() at import would send the calls to
+    a second run elsewhere: while the function runs they are set aside, with a line saying so."""
+    elsewhere = f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    done = mlproject.run("job.target=mltrainer.py:fit_inner", env={"MLFLOW_TRACKING_URI": elsewhere}, check=0)
+    assert "is set aside while the training function runs" in done.stdout + done.stderr
+    assert not (tmp_path / "elsewhere.db").exists()
+    client = MlflowClient(tracking_uri=f"sqlite:///{mlproject.root / 'runs' / 'mlflow.db'}")
+    (run,) = all_runs(client)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "inner")] == [1, 2, 3, 4, 5]

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from .uri import redact_uri
 from .user_sink import ARTIFACT_SCHEME, ATTACH_WAIT_S, SCHEME, register, set_off_reason, unregister, \
     warn_once
 
@@ -51,18 +52,19 @@ def reporting(tracker: Any, state_dir: Path | None, current_step: Callable[[], i
         current_step: the training's current step (``run.step``), for points logged without one.
         off_reason: the warning given once when tracking is off and the function calls MLflow.
 
-    Sets ``MLFLOW_TRACKING_URI`` and ``MLFLOW_RUN_ID`` unless the user set ``MLFLOW_TRACKING_URI`` to something
-    else (their explicit choice wins), and restores both afterwards. Where MLflow is imported already, the
+    Sets ``MLFLOW_TRACKING_URI`` (and, where the code called ``mlflow.set_tracking_uri``, MLflow's own URI) to
+    the job's store, unsets ``MLFLOW_RUN_ID``, and restores all three afterwards: a URI the user set is set
+    aside, with a line saying so, since it would send the calls to a second run. Where MLflow is imported already, the
     job's run is started in MLflow's fluent API so that ``mlflow.active_run()`` returns it from the first step;
     otherwise MLflow starts it at the first call. It is ended (without a status: see the module docstring)
     on the way out.
     """
     own = os.environ.get("MLFLOW_TRACKING_URI")
     if own and not own.startswith(f"{SCHEME}:"):
-        logger.info("MLFLOW_TRACKING_URI is set (%s): MLflow calls in the training function go there, not into "
-                    "the job's run", own.split("@")[-1])
-        yield
-        return
+        # often exported in a shell profile: it would send the function's calls to a second run elsewhere
+        logger.info("MLFLOW_TRACKING_URI (%s) is set aside while the training function runs: its MLflow calls "
+                    "report into the job's run (tracking.uri); use MlflowClient(tracking_uri=...) for another store",
+                    redact_uri(own))
     key = str(Path(state_dir).absolute()) if state_dir is not None and tracker is not None else ""
     saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID")}
     set_off_reason(off_reason)
@@ -77,6 +79,7 @@ def reporting(tracker: Any, state_dir: Path | None, current_step: Callable[[], i
     # a run, which the store answers with the job's run (a nested one it refuses)
     os.environ.pop("MLFLOW_RUN_ID", None)
     _register_plugins()
+    set_aside = _set_process_uri(f"{SCHEME}:{key}")
     restore = _start_fluent_run()
     try:
         yield
@@ -86,6 +89,8 @@ def reporting(tracker: Any, state_dir: Path | None, current_step: Callable[[], i
         _end_fluent_runs()
         if restore is not None:
             restore()
+        if set_aside is not None:
+            _set_process_uri(set_aside)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -93,6 +98,24 @@ def reporting(tracker: Any, state_dir: Path | None, current_step: Callable[[], i
                 os.environ[k] = v
         if key:
             unregister(key)
+
+
+def _set_process_uri(uri: str) -> str | None:
+    """Where MLflow is imported and ``mlflow.set_tracking_uri`` was called (it wins over the environment), set
+    ``uri`` the same way; returns the URI it replaced (None: nothing to undo)."""
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is None:
+        return None
+    try:
+        from mlflow.tracking._tracking_service import utils
+
+        previous = utils._tracking_uri  # not public: None unless set_tracking_uri was called
+        if previous is None or previous == uri:
+            return None
+        mlflow.set_tracking_uri(uri)
+        return str(previous)
+    except Exception:  # noqa: BLE001 - MLflow's internals moved: the environment variable still applies
+        return None
 
 
 def _plugins_installed() -> bool:
