@@ -316,7 +316,7 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
             tracker.finish("FAILED", timeout_s=finish_timeout)
             return JobResult(EXIT_FAILED, None, run_dir, run.step)
         with shield_children():  # git, the registry: SLURM's signals must not kill the children of the commit
-            return _finish(p, run, result, tracker, info, info_path, code, tracking_on, finish_timeout, stop)
+            return _finish(p, run, result, Start(tracker, info, info_path, code, stop, finish_timeout))
     finally:
         if installed:
             stop.uninstall()
@@ -364,8 +364,30 @@ def _set_aside_resume_point(run: Run, exc: DamagedFileError) -> bool:
     return True
 
 
-def _finish(p: JobPlan, run: Run, result: Any, tracker: Any, info: dict[str, Any], info_path: Path, code: Any,
-            tracking_on: bool, finish_timeout: float, stop: StopRequest) -> JobResult:
+@dataclass
+class Start:
+    """What one start of a job holds besides its plan and its Run.
+
+    Attributes:
+        tracker: the MLflow tracker (a NullTracker with tracking off or on ranks other than 0).
+        info: the run's record (``run.json``), this start appended; written to ``info_path``.
+        code: the code state (commit, dirty flag) the version's lineage names.
+        stop: the stop flag the signal handlers set.
+        finish_timeout: seconds the end waits for tracking (``tracking.finish_timeout_s``).
+    """
+
+    tracker: Any
+    info: dict[str, Any]
+    info_path: Path
+    code: Any
+    stop: StopRequest
+    finish_timeout: float
+
+
+def _finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
+    """The end of a start: an eviction's exit 75, or the checks of the result and the commit of the version."""
+    tracker, info, info_path, code = start.tracker, start.info, start.info_path, start.code
+    finish_timeout, stop, tracking_on = start.finish_timeout, start.stop, p.tracking_on
     tf, run_dir, key, model_name = p.tf, p.run_dir, p.key, p.model_name
     steps, epochs, eval_every, seed, run_name = p.steps, p.epochs, p.eval_every, p.seed, p.run_name
     params, dataset_facts, model_versions = p.params, p.dataset_facts, p.model_versions
