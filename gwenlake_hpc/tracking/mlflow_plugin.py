@@ -61,7 +61,7 @@ class JobStore(AbstractStore):
         return Run(self._info(), RunData())
 
     def update_run_info(self, run_id: str, run_status: Any, end_time: Any, run_name: Any) -> Any:
-        """Ignored: the job marks its run (an evicted run stays RUNNING)."""
+        """Ignored: the job marks its run (KILLED when evicted, FINISHED at the end)."""
         self._check(run_id)
         return self._info()
 

@@ -11,8 +11,8 @@ work on the job's run with nothing to configure:
   after its checkpoint), so a restart never stores a second point;
 - a point logged without a step (MLflow records step 0) is recorded at the training's current step;
 - artifacts are copied into the state folder and uploaded by the delivery process;
-- the fluent API's status changes are ignored: the job alone marks the run (an evicted run stays RUNNING,
-  whatever ``mlflow.end_run`` or MLflow's exit hook say);
+- the fluent API's status changes are ignored: the job alone marks the run (KILLED when evicted, FINISHED at
+  the end), whatever ``mlflow.end_run`` or MLflow's exit hook say;
 - with tracking off (``tracking=False``, ``job.tracking=false``, ``fit.local()``) the calls go nowhere, with one
   warning, and nothing is written to the working directory.
 
