@@ -445,8 +445,10 @@ def test_sbatch_template_by_hand_survives_preemption(project):
 def test_a_time_limit_warning_during_start_up_is_a_stop_not_a_kill(project):
     """SIGUSR2 sent to the job step as soon as the job runs (SLURM may send --signal up to 60 s early): the step
     is not killed by it (no exit by signal 12); the training records the stop and ends at a step boundary."""
+    # A loop of ~12 s (0.2 s a step): a signal that SLURM delivers late under load still lands before the loop's
+    # end (in CI8 a 0.5 s loop was over before the signals arrived, and the job completed without a stop).
     proc = project.run("+job=t", "launcher=slurm", "launcher.timeout_min=5", "launcher.partition=high",
-                       "launcher.max_retries=0", check=0)
+                       "launcher.max_retries=0", "+launcher.env.GWL_TEST_SLEEP=0.2", check=0)
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     run_dir = re.search(r"run directory (\S+)", proc.stdout).group(1)
     pattern = f"^{re.escape(sys.executable)} -m gwenlake_hpc.launch.boot -u -m submitit.core._submit {re.escape(run_dir)}"
