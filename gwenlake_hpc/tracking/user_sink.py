@@ -39,7 +39,6 @@ def warn_once(key: str, message: str, *args: Any, level: int = logging.WARNING) 
     logger.log(level, message, *args)
 
 
-
 def register(state_dir: str, tracker: Any, current_step: Callable[[], int]) -> None:
     """Send the calls of this process for ``state_dir`` to ``tracker`` (the job's, while its function runs)."""
     with _lock:
