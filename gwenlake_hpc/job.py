@@ -25,14 +25,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import __version__
-from .api import Model, Output
+from .api import Input, Model, Output
 from .errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, NonFiniteError
 from .fsutil import read_json, write_json_atomic
 from .checkpoints import CheckpointStore, DamagedFileError
 from .distributed import Dist
 from .distributed import setup as setup_distributed
 from .distributed import teardown as teardown_distributed
-from .plan import JobPlan, PlanCache, load_target, make_run_key, plan  # noqa: F401 - the job's plan, re-exported
+from .plan import JobPlan, PlanCache, load_target, make_run_key, open_inputs, plan  # noqa: F401 - re-exported
 from .run_environment import check_same_image, container_start
 from .signals import StopRequest, shield_children
 from .tracking import NullTracker, Tracker, flatten, is_sqlite, state_dir_for, user_mlflow
@@ -110,7 +110,7 @@ def _execute_rank(cfg: Any, stop: StopRequest, d: Dist) -> JobResult:
     configure_statsd(statsd.get("host"), statsd.get("port"), statsd.get("prefix"))  # exported to child processes
     run_dir = p.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    kwargs: dict[str, Any] = dict(p.inputs)
+    kwargs: dict[str, Any] = open_inputs(p)  # the revisions the plan read, or a ConfigError
     for name, b in p.tf.bindings.items():
         if isinstance(b, Output):
             # Rank 0's output is committed; the others' (identical model) go to a scratch folder.
@@ -316,7 +316,8 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
             tracker.finish("FAILED", timeout_s=finish_timeout)
             return JobResult(EXIT_FAILED, None, run_dir, run.step)
         with shield_children():  # git, the registry: SLURM's signals must not kill the children of the commit
-            return _finish(p, run, result, Start(tracker, info, info_path, code, stop, finish_timeout))
+            inputs = {n: kwargs[n] for n, b in tf.bindings.items() if isinstance(b, Input)}
+            return _finish(p, run, result, Start(tracker, info, info_path, code, stop, finish_timeout, inputs))
     finally:
         if installed:
             stop.uninstall()
@@ -374,6 +375,7 @@ class Start:
         code: the code state (commit, dirty flag) the version's lineage names.
         stop: the stop flag the signal handlers set.
         finish_timeout: seconds the end waits for tracking (``tracking.finish_timeout_s``).
+        inputs: the Input datasets the function was given (their schema goes into the version's serving info).
     """
 
     tracker: Any
@@ -382,6 +384,7 @@ class Start:
     code: Any
     stop: StopRequest
     finish_timeout: float
+    inputs: dict[str, Any]
 
 
 def _finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
@@ -439,7 +442,7 @@ def _finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
         # SLURM job ids of every start (a requeue keeps the id; a resubmission gets a new one)
         "slurm_jobs": sorted({s["SLURM_JOB_ID"] for s in info["starts"] if s.get("SLURM_JOB_ID")}),
         "job_config": OmegaConf.to_container(p.cfg.job, resolve=True) if isinstance(p.cfg, DictConfig) else None,
-        "serving": serving_info(tf, p.inputs),  # predict entry point and input schema, for load_model
+        "serving": serving_info(tf, start.inputs),  # predict entry point and input schema, for load_model
     }
     out_dir = run_dir / "output"
     try:

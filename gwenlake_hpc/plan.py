@@ -1,8 +1,8 @@
 """The job plan: a composed config resolved into what a job will do, before it does anything.
 
 :func:`plan` imports the training function (:func:`load_target`), checks every setting (exit 2 with the key's
-name), opens the inputs (their revisions enter the run key, :func:`make_run_key`) and resolves initial model
-versions, and returns a :class:`JobPlan`: the run directory, the tracking URI, the bindings. The launchers plan
+name), reads the inputs' revisions (they enter the run key, :func:`make_run_key`; the files are closed again,
+:func:`open_inputs` opens them for the training) and resolves initial model versions, and returns a :class:`JobPlan`: the run directory, the tracking URI, the bindings. The launchers plan
 before they submit (a bad task is refused with nothing submitted); the job (:mod:`gwenlake_hpc.job`) plans again
 where it runs and executes the plan. Imports no torch, no MLflow, no launcher.
 """
@@ -108,8 +108,9 @@ def _setting(cfg_job: Any, defaults: Mapping[str, Any], key: str) -> Any:
 class JobPlan:
     """Everything a job resolves before it trains: the function, its settings, bindings and run directory.
 
-    Built by :func:`plan` without writing anything but the datasets a ``prepare`` hook materialises, so a
-    launcher can print the run directory before submitting, and the job itself can run it.
+    Built by :func:`plan` without writing anything but the datasets a ``prepare`` hook materialises (their
+    revisions enter the run key, so they must exist to plan) and without keeping a file open, so a launcher can
+    print the run directory before submitting, and the job itself can run it.
     """
 
     cfg: Any
@@ -126,7 +127,6 @@ class JobPlan:
     tracking_uri: str | None
     runs_root: Path
     repo_path: Path | None
-    inputs: dict[str, Any]
     datasets: dict[str, str]
     dataset_facts: dict[str, Any]
     model_versions: dict[str, str]
@@ -148,16 +148,16 @@ class JobPlan:
 class PlanCache:
     """Read-only facts that the plans of one sweep's tasks share instead of reading them again per task.
 
-    Datasets are keyed by path and by the file's inode, modification time (ns) and size, so a dataset replaced
-    between two plans (an atomic rename gives a new inode) is opened again. Only the process that plans a
-    sweep holds one; a job plans once, without it.
+    Dataset facts are keyed by path and by the file's inode, modification time (ns) and size, so a dataset
+    replaced between two plans (an atomic rename gives a new inode) is read again. Only the process that plans
+    a sweep holds one; a job plans once, without it.
     """
 
     def __init__(self) -> None:
-        self._datasets: dict[tuple[str, int, int, int], Any] = {}
+        self._facts: dict[tuple[str, int, int, int], dict[str, Any]] = {}
 
-    def open_dataset(self, catalog: Catalog, name: str) -> Any:
-        """``catalog.open(name)``, or the same :class:`~gwenlake_hpc.data.Dataset` opened for an earlier task.
+    def dataset_facts(self, catalog: Catalog, name: str) -> dict[str, Any]:
+        """:func:`dataset_facts`, or the facts read for an earlier task of the same file.
 
         Raises:
             DataError: as :meth:`Catalog.open`.
@@ -166,11 +166,44 @@ class PlanCache:
         try:
             st = path.stat()
         except OSError:
-            return catalog.open(name)  # its own message for a missing file
+            return dataset_facts(catalog, name)  # its own message for a missing file
         key = (str(path), st.st_ino, st.st_mtime_ns, st.st_size)
-        if key not in self._datasets:
-            self._datasets[key] = catalog.open(name)
-        return self._datasets[key]
+        if key not in self._facts:
+            self._facts[key] = dataset_facts(catalog, name)
+        return dict(self._facts[key])
+
+
+def dataset_facts(catalog: Catalog, name: str) -> dict[str, Any]:
+    """``{"name", "revision", "rows", "path"}`` of dataset ``name``, read and closed again (the plan keeps no
+    file open: the job opens its inputs when it executes, :func:`open_inputs`).
+
+    Raises:
+        DataError: the dataset is missing or malformed (as :meth:`Catalog.open`).
+    """
+    with catalog.open(name) as ds:
+        return {"name": name, "revision": ds.revision, "rows": ds.rows, "path": str(ds.path)}
+
+
+def open_inputs(p: JobPlan) -> dict[str, Any]:
+    """Open the plan's Input datasets for the training: ``{binding name: Dataset}``.
+
+    Raises:
+        ConfigError: a dataset's revision is no longer the one the plan read (it was replaced in between; the
+            revision is part of the run key, so the job must be planned again: run it again).
+    """
+    from .data import Dataset
+
+    opened: dict[str, Any] = {}
+    for name, facts in p.dataset_facts.items():
+        ds = Dataset(facts["path"], name=facts["name"])
+        if ds.revision != facts["revision"]:
+            ds.close()
+            for other in opened.values():
+                other.close()
+            raise ConfigError(f"dataset {facts['name']} changed while the job started (revision "
+                              f"{facts['revision'][:12]} when planned, {ds.revision[:12]} now): run the job again")
+        opened[name] = ds
+    return opened
 
 
 def plan(cfg: DictConfig | Mapping[str, Any], cache: PlanCache | None = None) -> JobPlan:
@@ -217,17 +250,14 @@ def plan(cfg: DictConfig | Mapping[str, Any], cache: PlanCache | None = None) ->
     if tf.prepare is not None:
         tf.prepare(catalog, config_obj)
 
-    # Bindings: open inputs (revisions enter the run key) and resolve initial models.
-    inputs: dict[str, Any] = {}
+    # Bindings: the inputs' revisions (they enter the run key; the files are closed again) and initial models.
     datasets: dict[str, str] = {}
-    dataset_facts: dict[str, Any] = {}
+    facts: dict[str, Any] = {}
     model_versions: dict[str, str] = {}
     for name, b in tf.bindings.items():
         if isinstance(b, Input):
-            ds = cache.open_dataset(catalog, b.name) if cache is not None else catalog.open(b.name)
-            inputs[name] = ds
-            datasets[name] = f"{b.name}@{ds.revision}"
-            dataset_facts[name] = {"name": b.name, "revision": ds.revision, "rows": ds.rows, "path": str(ds.path)}
+            facts[name] = cache.dataset_facts(catalog, b.name) if cache is not None else dataset_facts(catalog, b.name)
+            datasets[name] = f"{b.name}@{facts[name]['revision']}"
         elif isinstance(b, Model):
             model_versions[name] = f"{b.name}@{_resolve_version(repo_path, b)}"
 
@@ -239,8 +269,8 @@ def plan(cfg: DictConfig | Mapping[str, Any], cache: PlanCache | None = None) ->
     return JobPlan(cfg=cfg, tf=tf, steps=steps, epochs=epochs, eval_every=eval_every, seed=seed, run_name=run_name,
                    resume=str(getattr(resume, "value", resume)), on_nonfinite=on_nonfinite,
                    config_obj=config_obj, params=params,
-                   tracking_uri=tracking_uri, runs_root=runs_root, repo_path=repo_path, inputs=inputs,
-                   datasets=datasets, dataset_facts=dataset_facts, model_versions=model_versions, key=key,
+                   tracking_uri=tracking_uri, runs_root=runs_root, repo_path=repo_path,
+                   datasets=datasets, dataset_facts=facts, model_versions=model_versions, key=key,
                    run_dir=runs_root / tf.output.name / key)
 
 
