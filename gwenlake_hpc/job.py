@@ -65,7 +65,7 @@ class JobResult:
     final_step: int | None = None
 
 
-# --- resolving the function ----------------------------------------------------------------------------------
+# --- SLURM facts and the entry point ---------------------------------------------------------------------------
 
 def slurm_facts() -> dict[str, str]:
     """SLURM job facts of this process from its environment (empty outside SLURM)."""
