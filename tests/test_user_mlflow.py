@@ -223,6 +223,13 @@ def test_without_entry_points_the_store_is_registered_once_mlflow_is_imported(tm
     assert mlflow.active_run() is None
     assert mlflow.start_run.__module__ == "mlflow.tracking.fluent"  # the wrapper is gone
     assert mlflow.get_tracking_uri() == other and not (tmp_path / "other.db").exists()
+    # a function that raises with a run active: the run is ended on the way out, so MLflow's exit hook has
+    # nothing to end against its default store (a ./mlflow.db in the working directory)
+    with pytest.raises(RuntimeError, match="boom"):
+        with user_mlflow.reporting(tracker, state, lambda: 0):
+            mlflow.log_metric("before_boom", 1.0, step=10)
+            raise RuntimeError("boom")
+    assert mlflow.active_run() is None and tracker.points[-1] == ("before_boom", 1.0, 10)
     os.environ.pop("MLFLOW_TRACKING_URI", None)  # set_tracking_uri exported it
 
 
