@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .state import read_run_id
+
 logger = logging.getLogger("gwenlake_hpc.tracking")
 
 SCHEME = "gwenlake-job"
@@ -66,6 +68,7 @@ class _Sink:
         self.step: Callable[[], int] = lambda: 0
         self._writer: Any = None
         self._writer_pid = 0
+        self._run_id: str | None = None
         self._marks: dict[str, int] = {}
 
     def _resolve(self) -> bool:
@@ -85,12 +88,12 @@ class _Sink:
         return True
 
     def run_id(self) -> str:
-        if self.state_dir:
-            try:
-                return (Path(self.state_dir) / "run_id").read_text().strip() or PENDING_RUN_ID
-            except OSError:
-                pass
-        return PENDING_RUN_ID
+        """The job's MLflow run id once the delivery process created the run, else :data:`PENDING_RUN_ID`.
+        Read from the state folder until found, then kept: MLflow checks the run id at every call."""
+        if self._run_id is None and self.state_dir:
+            with contextlib.suppress(OSError):
+                self._run_id = read_run_id(Path(self.state_dir))
+        return self._run_id or PENDING_RUN_ID
 
     def log(self, metrics: list[Any], params: list[Any], tags: list[Any]) -> None:
         if not self._resolve():
