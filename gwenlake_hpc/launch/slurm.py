@@ -353,13 +353,11 @@ def submit_training(target: str, overrides: Sequence[str], job: str | None = Non
     return JobHandle(sub.job_id, sub.run_dir)
 
 
-def job_container(cfg: DictConfig, tracking_uri: str | None, model_repo: Path | None = None,
-                  fill_model_repo: bool = True) -> dict[str, Any]:
+def job_container(cfg: DictConfig, tracking_uri: str | None, fill_model_repo: bool = True) -> dict[str, Any]:
     """The config a job receives: plain data, paths made absolute (the job may start elsewhere), no Hydra node.
 
-    ``model_repo``: the default model repository when ``paths.model_repo`` is unset, if the caller found it
-    already; else it is looked up here (:func:`default_model_repo`), unless ``fill_model_repo`` is False (a
-    sweep fills it once for all its tasks).
+    An unset ``paths.model_repo`` becomes the default model repository (:func:`default_model_repo`), unless
+    ``fill_model_repo`` is False (a sweep looks it up once for all its tasks).
     """
     container = OmegaConf.to_container(cfg, resolve=True)
     container.pop("hydra", None)
@@ -367,7 +365,7 @@ def job_container(cfg: DictConfig, tracking_uri: str | None, model_repo: Path | 
     if not container["paths"].get("model_repo") and fill_model_repo:
         from ..versioning import default_model_repo
 
-        container["paths"]["model_repo"] = str(model_repo or default_model_repo(Path.cwd()))
+        container["paths"]["model_repo"] = str(default_model_repo(Path.cwd()))
     container["job"]["target"] = _absolute_target(container["job"]["target"])
     if container.get("tracking", {}).get("uri") is None and tracking_uri:
         container["tracking"]["uri"] = tracking_uri

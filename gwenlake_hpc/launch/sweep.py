@@ -51,8 +51,7 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
     folder = Path(lc.folder) if lc.get("folder") else runs_root / ".arrays" / time.strftime("%Y%m%d-%H%M%S")
     params = sbatch_parameters(lc, job_name=f"gwenlake-sweep:{plans[0].model_name}")
     check_secrets(lc)
-    containers = [job_container(cfg, p.tracking_uri, model_repo=None, fill_model_repo=False)
-                  for (_, cfg), p in zip(configs, plans)]
+    containers = [job_container(cfg, p.tracking_uri, fill_model_repo=False) for (_, cfg), p in zip(configs, plans)]
     # the plain configs hold each task's launcher settings already (converting each node again costs ~1 ms)
     if len({json.dumps(c["launcher"], sort_keys=True, default=str) for c in containers}) > 1:
         raise ConfigError("a sweep is one job array: launcher.* must be the same for every task")
