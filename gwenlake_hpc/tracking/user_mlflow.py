@@ -40,6 +40,7 @@ from .user_sink import ARTIFACT_SCHEME, ATTACH_WAIT_S, SCHEME, register, set_off
 
 logger = logging.getLogger("gwenlake_hpc.tracking")
 
+
 @contextlib.contextmanager
 def reporting(tracker: Any, state_dir: Path | None, current_step: Callable[[], int],
               off_reason: str = "tracking is off for this job (tracking=False or job.tracking=false)") -> Iterator[None]:
@@ -54,10 +55,10 @@ def reporting(tracker: Any, state_dir: Path | None, current_step: Callable[[], i
 
     Sets ``MLFLOW_TRACKING_URI`` (and, where the code called ``mlflow.set_tracking_uri``, MLflow's own URI) to
     the job's store, unsets ``MLFLOW_RUN_ID``, and restores all three afterwards: a URI the user set is set
-    aside, with a line saying so, since it would send the calls to a second run. Where MLflow is imported already, the
-    job's run is started in MLflow's fluent API so that ``mlflow.active_run()`` returns it from the first step;
-    otherwise MLflow starts it at the first call. It is ended (without a status: see the module docstring)
-    on the way out.
+    aside, with a line saying so, since it would send the calls to a second run. Where MLflow is imported
+    already, the job's run is started in MLflow's fluent API so that ``mlflow.active_run()`` returns it from the
+    first step; otherwise MLflow starts it at the first call. It is ended (without a status: see the module
+    docstring) on the way out.
     """
     own = os.environ.get("MLFLOW_TRACKING_URI")
     if own and not own.startswith(f"{SCHEME}:"):
