@@ -1,10 +1,11 @@
 """The job plan: a composed config resolved into what a job will do, before it does anything.
 
-:func:`plan` imports the training function (:func:`load_target`), checks every setting (exit 2 with the key's
-name), reads the inputs' revisions (they enter the run key, :func:`make_run_key`; the files are closed again,
-:func:`open_inputs` opens them for the training) and resolves initial model versions, and returns a :class:`JobPlan`: the run directory, the tracking URI, the bindings. The launchers plan
-before they submit (a bad task is refused with nothing submitted); the job (:mod:`gwenlake_hpc.job`) plans again
-where it runs and executes the plan. Imports no torch, no MLflow, no launcher.
+:func:`plan` imports the training function (:func:`load_target`), checks every setting (exit 2 with the key's name),
+reads the inputs' revisions (they enter the run key, :func:`make_run_key`; the files are closed again,
+:func:`open_inputs` opens them for the training) and resolves initial model versions, and returns a
+:class:`JobPlan`: the run directory, the tracking URI, the bindings. The launchers plan before they submit (a bad
+task is refused with nothing submitted); the job (:mod:`gwenlake_hpc.job`) plans again where it runs and executes
+the plan. Imports no torch, no MLflow, no launcher.
 """
 
 from __future__ import annotations

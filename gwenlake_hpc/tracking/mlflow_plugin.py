@@ -1,7 +1,7 @@
-"""MLflow plug-ins of the ``gwenlake-job:`` schemes: the job's run as seen by MLflow's fluent API inside a
-training function (see :mod:`.user_mlflow`, which sets the URI, and :mod:`.user_sink`, where the calls go). Loaded by MLflow through the entry points
-``mlflow.tracking_store`` and ``mlflow.artifact_repository`` declared in ``pyproject.toml``, so only a process
-whose code calls MLflow imports it.
+"""MLflow plug-ins of the ``gwenlake-job:`` schemes: the job's run as seen by MLflow's fluent API inside a training
+function (see :mod:`.user_mlflow`, which sets the URI, and :mod:`.user_sink`, where the calls go). Loaded by MLflow
+through the entry points ``mlflow.tracking_store`` and ``mlflow.artifact_repository`` declared in
+``pyproject.toml``, so only a process whose code calls MLflow imports it.
 """
 
 from __future__ import annotations
