@@ -161,7 +161,9 @@ def test_failed_background_write_fails_the_loop_and_keeps_the_previous(tmp_path,
                     save_state(ck.path("state.safetensors"), model=model, optimizer=opt)
     msg = str(err.value)
     assert "step 20" in msg and "errno 28" in msg and "state.safetensors" in msg and "step-000000010" in msg
-    assert run.step in (21, 30)  # raised at the next step boundary or the next checkpoint
+    # raised at a step boundary after the failed write (the one right after step 20 when the background thread
+    # failed first, a later one otherwise), at the next checkpoint (30) at the latest
+    assert 20 <= run.step <= 30
     assert [ck.step for ck in run.store.complete()] == [10]
     assert not list((tmp_path / "run" / "checkpoints").glob(".partial-*"))
 
