@@ -7,6 +7,7 @@ files fill the ``job`` node (``+job=churn``).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -14,6 +15,16 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+from . import rules
+from .errors import ConfigError
+
+#: ``launcher.progress`` values: a tqdm bar on a terminal and log lines otherwise, or one of them, or none.
+PROGRESS_MODES = ("auto", "bar", "lines", "off")
+#: ``launcher.container.runtime`` values (null: chosen from the image).
+CONTAINER_RUNTIMES = ("apptainer", "singularity", "oci")
+#: ``launcher.name`` values, and the schema each one's settings follow.
+LAUNCHERS = ("local", "slurm")
 
 
 class Resume(str, Enum):
@@ -62,6 +73,10 @@ class TrackingConfig:
     flush_interval_s: float = 2.0
     finish_timeout_s: float = 60.0
 
+    def __post_init__(self) -> None:
+        rules.positive_seconds("tracking.flush_interval_s", self.flush_interval_s)
+        rules.positive_seconds("tracking.finish_timeout_s", self.finish_timeout_s, allow_zero=True)
+
 
 @dataclass
 class StatsdConfig:
@@ -77,6 +92,11 @@ class StatsdConfig:
     host: Optional[str] = None
     port: Optional[int] = None
     prefix: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        from .tracking.custom_metrics import check_settings
+
+        check_settings(self.host, self.port, self.prefix)
 
 
 @dataclass
@@ -102,6 +122,20 @@ class JobConfig:
     on_nonfinite: OnNonFinite = OnNonFinite.stop
     params: Dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # 0 steps would commit an untrained model as a version (and move `candidate` to it).
+        rules.whole_number("job.steps", self.steps, 1, "(a training of 0 steps trains nothing)")
+        rules.whole_number("job.epochs", self.epochs)
+        rules.whole_number("job.eval_every", self.eval_every)
+        if self.steps is not None and self.epochs is not None:
+            raise ConfigError(f"job.steps={self.steps} and job.epochs={self.epochs} are both set: keep one "
+                              "(e.g. job.steps=null)")
+        if self.seed is not None:
+            rules.seed("job.seed", self.seed)
+        rules.choice("job.resume", self.resume, [r.value for r in Resume], "auto continues, never refuses a rerun")
+        rules.choice("job.on_nonfinite", self.on_nonfinite, [o.value for o in OnNonFinite],
+                     "stop: a NaN loss ends the run")
+
 
 @dataclass
 class LauncherConfig:
@@ -116,6 +150,11 @@ class LauncherConfig:
     name: str = "local"
     progress: str = "auto"
     progress_every_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        rules.choice("launcher.name", self.name, LAUNCHERS, "local: in this process; slurm: submitted")
+        rules.choice("launcher.progress", self.progress, PROGRESS_MODES)
+        rules.positive_seconds("launcher.progress_every_s", self.progress_every_s)
 
 
 @dataclass
@@ -144,6 +183,11 @@ class ContainerConfig:
     env: Dict[str, str] = field(default_factory=dict)
     python: str = "python3"
     pin: bool = False
+
+    def __post_init__(self) -> None:
+        if self.runtime is not None:
+            rules.choice("launcher.container.runtime", self.runtime, CONTAINER_RUNTIMES,
+                         "or null to choose from the image")
 
 
 @dataclass
@@ -198,6 +242,28 @@ class SlurmLauncherConfig(LauncherConfig):
     wait: bool = False
     dry_run: bool = False
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        rules.whole_number("launcher.timeout_min", self.timeout_min)
+        if not isinstance(self.signal_delay_s, int) or not 1 <= self.signal_delay_s < self.timeout_min * 60:
+            raise ConfigError(f"launcher.signal_delay_s={self.signal_delay_s}: must be between 1 and the time limit "
+                              f"({self.timeout_min * 60} s)")
+        rules.whole_number("launcher.max_retries", self.max_retries, 0)
+        for key in ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node"):
+            rules.whole_number(f"launcher.{key}", getattr(self, key), 1,
+                               "(or null for the cluster's default)" if key not in ("nodes", "tasks_per_node") else "")
+        if self.mem_gb is not None and not self.mem_gb > 0:
+            raise ConfigError(f"launcher.mem_gb={self.mem_gb}: must be positive (or null for the cluster's default)")
+        for key in ("partition", "account", "qos", "gres", "constraint", "exclude"):
+            rules.single_line(f"launcher.{key}", getattr(self, key), "sbatch options")
+        for k, v in self.additional_parameters.items():
+            if not re.fullmatch(r"[a-z][a-z0-9_-]*", str(k)):
+                raise ConfigError(f"launcher.additional_parameters: {k!r} is not an sbatch option name "
+                                  "(e.g. mail-type)")
+            if not isinstance(v, (str, int, float, bool)):
+                raise ConfigError(f"launcher.additional_parameters.{k}: give a single value, not {type(v).__name__}")
+            rules.single_line(f"launcher.additional_parameters.{k}", v, "sbatch options")
+
 
 @dataclass
 class GwenlakeConfig:
@@ -248,6 +314,81 @@ class ClusterConfig:
     launcher: SlurmLauncherConfig = field(default_factory=SlurmLauncherConfig)
     allow_dirty: bool = False
     connect_timeout_s: float = 20.0
+
+
+def typed(cfg: Any) -> GwenlakeConfig:
+    """The composed config ``cfg`` (a DictConfig from Hydra, or a plain mapping such as the config a SLURM job
+    receives) as a :class:`GwenlakeConfig` of dataclasses, every ``__post_init__`` check run.
+
+    ``launcher`` becomes a :class:`LauncherConfig` or :class:`SlurmLauncherConfig` (by ``launcher.name``),
+    ``cluster`` a :class:`ClusterConfig` when set; ``job.params`` stays a dict. The ``hydra`` node is left out.
+
+    Raises:
+        ConfigError: a missing mandatory value, a wrong type, an unknown key or a value a rule refuses; the
+            message names the key.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
+    if "hydra" in node:
+        node = OmegaConf.masked_copy(node, [k for k in node if k != "hydra"])
+    with _as_config_error():
+        if OmegaConf.get_type(node) is not GwenlakeConfig:
+            node = OmegaConf.merge(OmegaConf.structured(GwenlakeConfig), node)
+        for key, schema in (("launcher", None), ("cluster", ClusterConfig)):
+            sub = node.get(key) if not OmegaConf.is_missing(node, key) else None
+            if sub is None:
+                continue
+            if key == "launcher":
+                name = str(sub.get("name", "local"))
+                rules.choice("launcher.name", name, LAUNCHERS, "local: in this process; slurm: submitted")
+                schema = SlurmLauncherConfig if name == "slurm" else LauncherConfig
+            if not isinstance(OmegaConf.get_type(sub), type) or not issubclass(OmegaConf.get_type(sub), schema):
+                merged = OmegaConf.merge(OmegaConf.structured(schema), sub)
+                node[key] = merged
+        if OmegaConf.is_missing(node, "launcher"):
+            node.launcher = OmegaConf.structured(LauncherConfig)
+        return OmegaConf.to_object(node)  # type: ignore[return-value]
+
+
+def typed_launcher(lc: Any) -> SlurmLauncherConfig:
+    """The SLURM launcher settings ``lc`` (``launcher`` or ``cluster.launcher``, a DictConfig or a mapping) as a
+    :class:`SlurmLauncherConfig`, its checks run.
+
+    Raises:
+        ConfigError: as :func:`typed`.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(lc, SlurmLauncherConfig):
+        return lc
+    with _as_config_error("launcher."):
+        node = lc if isinstance(lc, DictConfig) else OmegaConf.create(dict(lc))
+        if OmegaConf.get_type(node) is not SlurmLauncherConfig:
+            node = OmegaConf.merge(OmegaConf.structured(SlurmLauncherConfig), node)
+        return OmegaConf.to_object(node)  # type: ignore[return-value]
+
+
+class _as_config_error:
+    """OmegaConf's errors (a missing value, a wrong type, an unknown key) as a :class:`ConfigError` naming the
+    key; a ConfigError from a ``__post_init__`` check passes unchanged."""
+
+    def __init__(self, prefix: str = "") -> None:
+        self.prefix = prefix
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+        if exc is None or isinstance(exc, ConfigError) or not isinstance(exc, OmegaConfBaseException):
+            return False
+        key = self.prefix + str(getattr(exc, "full_key", "") or "")
+        if isinstance(exc, MissingMandatoryValue):
+            raise ConfigError(f"{key} is not set: give it in the config file or on the command line ({key}=...)") \
+                from None
+        raise ConfigError(f"{key or 'config'}: {str(exc).splitlines()[0]}") from None
 
 
 def register() -> None:

@@ -106,8 +106,8 @@ def _execute_rank(cfg: Any, stop: StopRequest, d: Dist) -> JobResult:
     if not d.is_main:
         d.barrier()  # rank 0 plans first: a prepare hook materialises the data once, not once a rank
     p = plan(cfg)
-    statsd = p.cfg.get("statsd") or {}
-    configure_statsd(statsd.get("host"), statsd.get("port"), statsd.get("prefix"))  # exported to child processes
+    statsd = p.settings.statsd
+    configure_statsd(statsd.host, statsd.port, statsd.prefix)  # exported to child processes
     run_dir = p.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, Any] = open_inputs(p)  # the revisions the plan read, or a ConfigError
@@ -177,7 +177,7 @@ class RunLock:
 
 
 def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Dist) -> JobResult:
-    cfg, tf, run_dir, key, model_name = p.cfg, p.tf, p.run_dir, p.key, p.model_name
+    tf, run_dir, key, model_name = p.tf, p.run_dir, p.key, p.model_name
     steps, epochs, eval_every, seed, run_name = p.steps, p.epochs, p.eval_every, p.seed, p.run_name
     params, datasets, dataset_facts, model_versions = p.params, p.datasets, p.dataset_facts, p.model_versions
     tracking_on, tracking_uri, runs_root = p.tracking_on, p.tracking_uri, p.runs_root
@@ -241,14 +241,14 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
         tracker: Any = Tracker(tracking_uri, model_name, key, state_dir,
                                params=flatten({"params": params, "seed": seed}), tags=tags,
                                artifact_location=artifact_location,
-                               flush_interval_s=float(cfg.tracking.flush_interval_s), after_attach=pending)
+                               flush_interval_s=p.settings.tracking.flush_interval_s, after_attach=pending)
         tracker.set_tags(tags)
     else:
         tracker = NullTracker()
 
     # Rank r draws from seed + r: dropout and augmentation differ across ranks (DDP copies rank 0's initial
     # parameters to all); the data order comes from the run seed alone, so the shards fit together.
-    launcher = cfg.get("launcher") or {}
+    launcher = p.settings.launcher
 
     reports = tracking_on and d.is_main
     # a point MLflow records at step 0 (no step given) goes to the loop's current step; a short fit has no loop
@@ -270,8 +270,7 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
         try:
             return Run(run_dir=run_dir, run_key=key, steps=steps, epochs=epochs, eval_every=eval_every, seed=seed,
                        tracker=tracker, stop=stop, resume=p.resume, on_nonfinite=p.on_nonfinite,
-                       progress=launcher.get("progress", "auto"),
-                       progress_every_s=float(launcher.get("progress_every_s", 30.0)), dist=d)
+                       progress=launcher.progress, progress_every_s=launcher.progress_every_s, dist=d)
         except BaseException:
             tracker.close()
             raise
@@ -280,7 +279,7 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     if tf.wants_config:
         kwargs["config"] = p.config_obj
 
-    finish_timeout = float(cfg.tracking.finish_timeout_s)
+    finish_timeout = p.settings.tracking.finish_timeout_s
     installed = stop.install()
     try:  # handlers kept through the commit and tracking's finish: a SIGTERM there only sets the flag
         try:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import rules
 from .bindings import Input, Model, Output, resolve_params
 
 if TYPE_CHECKING:
@@ -72,9 +73,8 @@ def run_local(tf: TrainFunction, config: Any = None, *, steps: int | None = None
     d = tf.defaults
     if steps is None and epochs is None:
         steps, epochs = d.get("steps"), d.get("epochs")
-    for key, value in (("steps", steps), ("epochs", epochs)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{key}={value!r}: give a whole number >= 1")
+    for key, value in (("steps", steps), ("epochs", epochs), ("eval_every", eval_every)):
+        rules.whole_number(key, value)
     if config is None or isinstance(config, Mapping):
         config_obj, _ = resolve_params(tf, dict(config or {}))
     elif tf.config_type is not None and not isinstance(config, tf.config_type):

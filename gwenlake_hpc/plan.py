@@ -10,6 +10,7 @@ the plan. Imports no torch, no MLflow, no launcher.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -27,10 +28,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from .api import Input, Model, TrainFunction, resolve_params
 from .checkpoints.writer import async_default
+from .config import GwenlakeConfig, JobConfig, typed
 from .data import Catalog
 from .errors import ConfigError
 from .tracking import default_uri, is_sqlite, sqlite_path, validate_uri
-from .tracking.custom_metrics import check_settings as check_statsd
 from .versioning import default_model_repo, list_versions, open_model_repo
 
 log = logging.getLogger("gwenlake_hpc.job")
@@ -100,11 +101,6 @@ def make_run_key(model: str, run_name: str, params: Mapping[str, Any], seed: int
     return f"{safe}-{hashlib.sha256(doc.encode()).hexdigest()[:16]}"
 
 
-def _setting(cfg_job: Any, defaults: Mapping[str, Any], key: str) -> Any:
-    value = cfg_job.get(key) if hasattr(cfg_job, "get") else None
-    return defaults.get(key) if value is None else value
-
-
 @dataclass
 class JobPlan:
     """Everything a job resolves before it trains: the function, its settings, bindings and run directory.
@@ -115,14 +111,8 @@ class JobPlan:
     """
 
     cfg: Any
+    settings: GwenlakeConfig
     tf: TrainFunction
-    steps: int | None
-    epochs: int | None
-    eval_every: int
-    seed: int
-    run_name: str
-    resume: str
-    on_nonfinite: str
     config_obj: Any
     params: dict[str, Any]
     tracking_uri: str | None
@@ -137,6 +127,35 @@ class JobPlan:
     @property
     def model_name(self) -> str:
         return self.tf.output.name
+
+    # The job's settings, the config's over the decorator's (checked by JobConfig's rules).
+    @property
+    def steps(self) -> int | None:
+        return self.settings.job.steps
+
+    @property
+    def epochs(self) -> int | None:
+        return self.settings.job.epochs
+
+    @property
+    def eval_every(self) -> int:
+        return int(self.settings.job.eval_every)  # type: ignore[arg-type]
+
+    @property
+    def seed(self) -> int:
+        return int(self.settings.job.seed)  # type: ignore[arg-type]
+
+    @property
+    def run_name(self) -> str:
+        return str(self.settings.job.model)
+
+    @property
+    def resume(self) -> str:
+        return str(self.settings.job.resume.value)
+
+    @property
+    def on_nonfinite(self) -> str:
+        return str(self.settings.job.on_nonfinite.value)
 
     @property
     def tracking_on(self) -> bool:
@@ -213,41 +232,29 @@ def plan(cfg: DictConfig | Mapping[str, Any], cache: PlanCache | None = None) ->
     ``cache``: the facts shared by the tasks of one sweep (see :class:`PlanCache`); None reads everything.
 
     Raises:
-        ConfigError: no job, bad target, bad params, bad tracking URI, missing or malformed dataset,
-            unknown initial model version.
+        ConfigError: no job, bad target, a setting a rule refuses (:func:`gwenlake_hpc.config.typed`), bad
+            params, bad tracking URI, missing or malformed dataset, unknown initial model version.
     """
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.create(cfg)
-    job = cfg.job
-    if OmegaConf.is_missing(job, "target"):
+    if OmegaConf.select(cfg, "job.target", default=None) is None or OmegaConf.is_missing(cfg.job, "target"):
         raise ConfigError("no job given: add +job=NAME (a file conf/job/NAME.yaml) or job.target=module:function")
-    tf = load_target(job.target)
-    d = tf.defaults
-    if getattr(tf, "is_short", False):
-        loop = [k for k in ("steps", "epochs", "eval_every") if job.get(k) is not None]
-        if loop:
-            raise ConfigError(f"job.{loop[0]}={job.get(loop[0])}: {tf.target} is a short fit (one call, no loop); "
-                              f"drop job.{loop[0]}")
-    resume = job.get("resume", "auto")
+    settings = typed(cfg)  # every key's type and rule checked (config.py), before the function is imported
+    tf = load_target(settings.job.target)
+    job = _effective(settings.job, tf)
+    settings = dataclasses.replace(settings, job=job)
     async_default()  # GWENLAKE_CHECKPOINT_ASYNC is checked before anything is written
-    on_nonfinite = str(getattr(job.get("on_nonfinite", "stop"), "value", job.get("on_nonfinite", "stop")))
-    if on_nonfinite not in ("stop", "warn"):
-        raise ConfigError(f"job.on_nonfinite={on_nonfinite!r}: use stop (a NaN loss ends the run) or warn")
-    params_cfg = OmegaConf.to_container(job.params, resolve=True) if job.get("params") is not None else {}
-    config_obj, params = resolve_params(tf, params_cfg)
-    seed = _setting(job, d, "seed")
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
-        raise ConfigError(f"job.seed={seed!r}: must be an integer from 0 to 2**63-1 (torch's seed range)")
-    run_name = job.get("model") or tf.run_name
+    config_obj, params = resolve_params(tf, dict(job.params))
 
-    paths = cfg.paths
+    paths = settings.paths
     runs_root = _path_setting("paths.runs_root", paths.runs_root)
-    catalog = Catalog(_path_setting("paths.data_root", paths.data_root))
+    data_root = _path_setting("paths.data_root", paths.data_root)
+    catalog = Catalog(data_root)
     tracking_uri = None
-    if _setting(job, d, "tracking"):
-        tracking_uri = validate_uri(cfg.tracking.uri) if cfg.tracking.get("uri") else default_uri(runs_root)
-    repo_path = _path_setting("paths.model_repo", paths.model_repo) if paths.get("model_repo") else None
-    _check_paths(runs_root, _path_setting("paths.data_root", paths.data_root), repo_path, tracking_uri)
+    if job.tracking:
+        tracking_uri = validate_uri(settings.tracking.uri) if settings.tracking.uri else default_uri(runs_root)
+    repo_path = _path_setting("paths.model_repo", paths.model_repo) if paths.model_repo else None
+    _check_paths(runs_root, data_root, repo_path, tracking_uri)
     if tf.prepare is not None:
         tf.prepare(catalog, config_obj)
 
@@ -262,17 +269,39 @@ def plan(cfg: DictConfig | Mapping[str, Any], cache: PlanCache | None = None) ->
         elif isinstance(b, Model):
             model_versions[name] = f"{b.name}@{_resolve_version(repo_path, b)}"
 
-    steps, epochs, eval_every = _length(job, d) + (_setting(job, d, "eval_every"),)
-    _check_settings(cfg, steps, epochs, eval_every)
-    statsd = cfg.get("statsd") or {}
-    check_statsd(statsd.get("host"), statsd.get("port"), statsd.get("prefix"))
-    key = make_run_key(tf.output.name, run_name, params, seed, datasets, model_versions)
-    return JobPlan(cfg=cfg, tf=tf, steps=steps, epochs=epochs, eval_every=eval_every, seed=seed, run_name=run_name,
-                   resume=str(getattr(resume, "value", resume)), on_nonfinite=on_nonfinite,
-                   config_obj=config_obj, params=params,
+    key = make_run_key(tf.output.name, job.model, params, job.seed, datasets, model_versions)
+    return JobPlan(cfg=cfg, settings=settings, tf=tf, config_obj=config_obj, params=params,
                    tracking_uri=tracking_uri, runs_root=runs_root, repo_path=repo_path,
                    datasets=datasets, dataset_facts=facts, model_versions=model_versions, key=key,
                    run_dir=runs_root / tf.output.name / key)
+
+
+def _effective(job: JobConfig, tf: TrainFunction) -> JobConfig:
+    """``job`` with what it leaves null taken from the decorator (``@train(steps=, seed=...)``), checked again
+    by :class:`JobConfig`'s rules (``dataclasses.replace`` runs ``__post_init__``).
+
+    ``job.epochs`` given in the config replaces a ``steps`` that only comes from the decorator (and the other
+    way round); both given in the config is refused (by the rules) rather than one silently ignored.
+
+    Raises:
+        ConfigError: a loop setting for a short fit, or a decorator value a rule refuses.
+    """
+    d = tf.defaults
+    if getattr(tf, "is_short", False):
+        loop = [k for k in ("steps", "epochs", "eval_every") if getattr(job, k) is not None]
+        if loop:
+            raise ConfigError(f"job.{loop[0]}={getattr(job, loop[0])}: {tf.target} is a short fit (one call, no "
+                              f"loop); drop job.{loop[0]}")
+    steps, epochs = job.steps, job.epochs
+    if steps is None and epochs is None:
+        steps, epochs = d.get("steps"), d.get("epochs")
+
+    def pick(key: str) -> Any:
+        value = getattr(job, key)
+        return d.get(key) if value is None else value
+
+    return dataclasses.replace(job, steps=steps, epochs=epochs, eval_every=pick("eval_every"), seed=pick("seed"),
+                               tracking=bool(pick("tracking")), model=job.model or tf.run_name)
 
 
 def _path_setting(key: str, value: Any) -> Path:
@@ -335,34 +364,6 @@ def _check_paths(runs_root: Path, data_root: Path, repo_path: Path | None, track
                               "repository, or to a new folder (one is created there)")
         if any(repo_path.iterdir()):
             open_model_repo(repo_path, create=False)  # ConfigError when it is not a repository's top level
-
-
-def _length(job: Any, defaults: Mapping[str, Any]) -> tuple[Any, Any]:
-    """``(steps, epochs)``: the command line / job config over the decorator, one of the two at most.
-
-    ``job.epochs`` given in the config replaces a ``steps`` that only comes from the decorator (and the other
-    way round); both given in the config is refused rather than one silently ignored.
-    """
-    steps, epochs = job.get("steps"), job.get("epochs")
-    if steps is not None and epochs is not None:
-        raise ConfigError(f"job.steps={steps} and job.epochs={epochs} are both set: keep one (e.g. job.steps=null)")
-    if steps is not None or epochs is not None:
-        return steps, epochs
-    return defaults.get("steps"), defaults.get("epochs")
-
-
-def _check_settings(cfg: Any, steps: Any, epochs: Any, eval_every: Any) -> None:
-    """Refuse bad settings before anything is written (run.json, tracking, checkpoints)."""
-    if steps is not None and (not isinstance(steps, int) or not 1 <= steps < 2**62):
-        # 0 would commit an untrained model as a version (and move `candidate` to it)
-        raise ConfigError(f"job.steps={steps!r}: must be an integer >= 1 (a training of 0 steps trains nothing)")
-    if epochs is not None and (not isinstance(epochs, int) or not 1 <= epochs < 2**62):
-        raise ConfigError(f"job.epochs={epochs!r}: must be an integer >= 1")
-    if not isinstance(eval_every, int) or eval_every < 1:
-        raise ConfigError(f"job.eval_every={eval_every!r}: must be an integer >= 1")
-    progress = (cfg.get("launcher") or {}).get("progress", "auto")
-    if progress not in ("auto", "bar", "lines", "off"):
-        raise ConfigError(f"launcher.progress={progress!r}: use auto, bar, lines or off")
 
 
 def _resolve_version(repo_path: Path | None, b: Model) -> str:

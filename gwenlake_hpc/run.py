@@ -22,6 +22,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from .checkpoints import (BackgroundWriter, BufferPool, Checkpoint, CheckpointStore, PendingCheckpoint,
                          rank_state_name)
 from .checkpoints.writer import async_default
+from . import rules
 from .distributed import Dist
 from .errors import CheckpointError, ConfigError, NonFiniteError
 from .progress import Progress
@@ -110,12 +111,9 @@ class Run:
                  seed: int, tracker: Any, stop: StopRequest, resume: str = "auto", progress: str = "auto",
                  progress_every_s: float = 30.0, dist: Dist | None = None, checkpoint_async: bool | None = None,
                  on_nonfinite: str = "stop"):
-        if steps is not None and steps < 0:
-            raise ConfigError(f"job.steps={steps}: must be >= 0")
-        if epochs is not None and epochs < 1:
-            raise ConfigError(f"job.epochs={epochs}: must be >= 1")
-        if eval_every is None or eval_every < 1:
-            raise ConfigError(f"job.eval_every={eval_every}: must be >= 1")
+        rules.whole_number("job.steps", steps, 0)
+        rules.whole_number("job.epochs", epochs)
+        rules.whole_number("job.eval_every", "null" if eval_every is None else eval_every)
         self.run_dir = Path(run_dir)
         self.run_key = run_key
         self.seed = seed
@@ -129,8 +127,7 @@ class Run:
         self.rank, self.world_size, self.local_rank = self.dist.rank, self.dist.world_size, self.dist.local_rank
         self._progress_mode = progress if self.dist.is_main else "off"
         self._progress_every_s = progress_every_s
-        if resume not in ("auto", "never"):
-            raise ConfigError(f"job.resume={resume!r}: use 'auto' or 'never'")
+        rules.choice("job.resume", resume, ("auto", "never"))
         self.store = CheckpointStore(self.run_dir / "checkpoints", run_key)
         # Where a rank other than 0 puts its (discarded) checkpoint files; its Output is a sibling folder.
         self._scratch = self.run_dir / ".ranks" / f"rank-{self.rank:05d}" / "checkpoint"
@@ -165,8 +162,7 @@ class Run:
         self._tagged_series: dict[str, dict[str, str]] = {}  # series -> its tags (recorded on the run already)
         self._progress: Progress | None = None
         self.checkpoint_async = async_default() if checkpoint_async is None else bool(checkpoint_async)
-        if on_nonfinite not in ("stop", "warn"):
-            raise ConfigError(f"job.on_nonfinite={on_nonfinite!r}: use stop or warn")
+        rules.choice("job.on_nonfinite", on_nonfinite, ("stop", "warn"))
         self._on_nonfinite = on_nonfinite
         self._warned_nonfinite: set[str] = set()
         self._writer = BackgroundWriter()

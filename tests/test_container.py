@@ -76,7 +76,7 @@ def test_docker_reference_is_pulled_by_the_runtime(tmp_path):
 
 @pytest.mark.parametrize("settings, which, needle", [
     ({"image": "missing.sif"}, ("apptainer",), "does not exist"),
-    ({"image": "IMG", "runtime": "docker"}, ("apptainer",), "launcher.container.runtime=docker"),
+    ({"image": "IMG", "runtime": "docker"}, ("apptainer",), "launcher.container.runtime='docker'"),
     ({"image": "IMG"}, (), "`apptainer` is not installed"),
     ({"image": "IMG", "runtime": "oci"}, ("apptainer",), "runtime=oci needs an OCI bundle"),
     ({"image": "IMG", "binds": ["/nope/nothing"]}, ("apptainer",), "/nope/nothing does not exist"),

@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from ..config import CONTAINER_RUNTIMES, ContainerConfig
 from ..errors import ConfigError
 from ..run_environment import (ENV_DIGEST, ENV_HOST_MNT_NS, ENV_IMAGE, ENV_PIN, ENV_RUNTIME,
                                ENV_RUNTIME_VERSION)
 
 log = logging.getLogger("gwenlake_hpc.launch.container")
 
-RUNTIMES = ("apptainer", "singularity", "oci")
+RUNTIMES = CONTAINER_RUNTIMES
 #: Image references a runtime pulls itself (no file to check or hash on the host).
 REMOTE_SCHEMES = ("docker://", "oras://", "library://", "shub://", "http://", "https://")
 #: The NVIDIA container toolkit's OCI hook (``gpu`` with ``runtime=oci``).
@@ -92,9 +93,7 @@ def runtime_of(cc: Any, image_is_bundle: bool) -> str:
     runtime = cc.get("runtime")
     if runtime is None:
         return "oci" if image_is_bundle else "apptainer"
-    if runtime not in RUNTIMES:
-        raise ConfigError(f"launcher.container.runtime={runtime}: use one of {', '.join(RUNTIMES)} "
-                          "(or null to choose from the image)")
+    ContainerConfig(runtime=runtime)  # its rule: one of RUNTIMES
     return str(runtime)
 
 

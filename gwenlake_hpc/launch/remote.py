@@ -39,6 +39,7 @@ from typing import Any, Mapping, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from ..errors import EXIT_USAGE, ConfigError, GwenlakeError
+from ..rules import has_control
 from ..resources import Resources
 from .container import ContainerStep, prepare
 from .records import JOBS_INDEX, job_records
@@ -51,7 +52,6 @@ from .ssh import RemoteCommandError, SshConnection, SshTarget, connection
 log = logging.getLogger("gwenlake_hpc.launch.remote")
 
 PLAN_MARK = "GWENLAKE_PLAN "
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 #: Overrides consumed here, never forwarded to the job: the cluster, the launcher (sbatch settings), Hydra's.
 _LOCAL_KEYS = ("cluster", "launcher", "hydra", "paths")
 
@@ -98,7 +98,7 @@ def job_overrides(task_overrides: Sequence[str]) -> list[str]:
     """
     out = []
     for ov in task_overrides:
-        if _CONTROL_RE.search(ov):
+        if has_control(ov):
             raise ConfigError(f"override {ov!r}: control characters (newlines) are not allowed")
         key = _override_key(ov)
         if key.split(".", 1)[0].split("/", 1)[0] in _LOCAL_KEYS:

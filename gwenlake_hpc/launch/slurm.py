@@ -21,13 +21,14 @@ from typing import Any, Mapping, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from .. import rules
+from ..config import typed_launcher
 from ..errors import EXIT_EVICTED, ConfigError, GwenlakeError
 from .records import record_job
 
 log = logging.getLogger("gwenlake_hpc.launch.slurm")
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class SlurmEntry:
@@ -76,19 +77,18 @@ class SlurmEntry:
         raise RuntimeError(f"the training failed with exit status {result.exit_code}; see the log above")
 
 
-def _check_value(key: str, value: Any) -> None:
-    """sbatch options become ``#SBATCH --key=value`` lines: a newline would start a shell line."""
-    if isinstance(value, str) and _CONTROL_RE.search(value):
-        raise ConfigError(f"launcher.{key}={value!r}: control characters (newlines) are not allowed in sbatch options")
-
-
 #: Requeues when neither ``launcher.max_retries`` nor ``@train(max_retries=)`` says.
 DEFAULT_MAX_RETRIES = 3
 
 
 def max_retries(lc: Any) -> int:
-    """``launcher.max_retries``, or :data:`DEFAULT_MAX_RETRIES` when it is null."""
+    """``launcher.max_retries``, or :data:`DEFAULT_MAX_RETRIES` when it is null.
+
+    Raises:
+        ConfigError: a negative or non-integer value (:func:`gwenlake_hpc.rules.whole_number`).
+    """
     value = lc.get("max_retries")
+    rules.whole_number("launcher.max_retries", value, 0)
     return DEFAULT_MAX_RETRIES if value is None else int(value)
 
 
@@ -122,43 +122,23 @@ def with_declared(lc: Any, res: Any) -> Any:
 
 
 def sbatch_parameters(lc: Any, job_name: str) -> dict[str, Any]:
-    """submitit ``SlurmExecutor`` parameters from the launcher config.
+    """submitit ``SlurmExecutor`` parameters from the launcher config ``lc`` (``launcher`` or
+    ``cluster.launcher``, after :func:`with_declared`), read as a :class:`SlurmLauncherConfig` whose rules
+    (:mod:`gwenlake_hpc.config`) check every value.
 
     Raises:
-        ConfigError: a value with control characters, a bad env or secret name, bad numbers.
+        ConfigError: a value with control characters, a bad option name, bad numbers (named by key).
     """
-    if lc.timeout_min < 1:
-        raise ConfigError(f"launcher.timeout_min={lc.timeout_min}: must be at least 1")
-    if lc.signal_delay_s < 1 or lc.signal_delay_s >= lc.timeout_min * 60:
-        raise ConfigError(f"launcher.signal_delay_s={lc.signal_delay_s}: must be between 1 and the time limit "
-                          f"({lc.timeout_min * 60} s)")
-    if max_retries(lc) < 0:
-        raise ConfigError(f"launcher.max_retries={lc.max_retries}: must be >= 0")
-    params: dict[str, Any] = {"job_name": job_name, "time": int(lc.timeout_min), "nodes": int(lc.nodes),
-                              "ntasks_per_node": int(lc.tasks_per_node), "signal_delay_s": int(lc.signal_delay_s)}
-    for key, sb in (("partition", "partition"), ("account", "account"), ("qos", "qos"),
-                    ("cpus_per_task", "cpus_per_task"), ("gpus_per_node", "gpus_per_node"), ("gres", "gres"),
-                    ("constraint", "constraint"), ("exclude", "exclude")):
-        value = lc.get(key)
-        if value is not None:
-            _check_value(key, value)
-            params[sb] = value
-    if lc.get("mem_gb") is not None:
-        params["mem"] = f"{int(float(lc.mem_gb) * 1024)}M"
-    extra = {"requeue": True}
-    for k, v in (OmegaConf.to_container(lc.additional_parameters) if lc.get("additional_parameters") else {}).items():
-        if not re.fullmatch(r"[a-z][a-z0-9_-]*", str(k)):
-            raise ConfigError(f"launcher.additional_parameters: {k!r} is not an sbatch option name (e.g. mail-type)")
-        if not isinstance(v, (str, int, float, bool)):
-            raise ConfigError(f"launcher.additional_parameters.{k}: give a single value, not {type(v).__name__}")
-        _check_value(f"additional_parameters.{k}", v)
-        extra[str(k)] = v
-    for key in ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node", "mem_gb"):
-        value = lc.get(key)
-        if value is not None and value <= 0:
-            raise ConfigError(f"launcher.{key}={value}: must be positive (or null for the cluster's default)")
-    params["additional_parameters"] = extra
-    _check_value("job name", job_name)
+    s = typed_launcher(lc)
+    params: dict[str, Any] = {"job_name": job_name, "time": s.timeout_min, "nodes": s.nodes,
+                              "ntasks_per_node": s.tasks_per_node, "signal_delay_s": s.signal_delay_s}
+    for key in ("partition", "account", "qos", "cpus_per_task", "gpus_per_node", "gres", "constraint", "exclude"):
+        if getattr(s, key) is not None:
+            params[key] = getattr(s, key)
+    if s.mem_gb is not None:
+        params["mem"] = f"{int(float(s.mem_gb) * 1024)}M"
+    params["additional_parameters"] = {"requeue": True, **{str(k): v for k, v in s.additional_parameters.items()}}
+    rules.single_line("job name", job_name, "sbatch options")  # #SBATCH lines: a newline starts a shell line
     return params
 
 

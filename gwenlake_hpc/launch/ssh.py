@@ -31,12 +31,12 @@ from typing import IO, Any, Callable, Mapping, Sequence, TypeVar
 import paramiko
 
 from ..errors import ConfigError, GwenlakeError
+from ..rules import has_control
 
 log = logging.getLogger("gwenlake_hpc.launch.ssh")
 logging.getLogger("paramiko").setLevel(logging.WARNING)  # "Connected", "Authentication successful" at INFO
 
 T = TypeVar("T")
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 #: Exceptions that mean the connection is gone (worth a reconnect), as opposed to a refused login.
 DROPPED = (paramiko.SSHException, EOFError, OSError, socket.timeout)
 
@@ -94,13 +94,13 @@ class SshTarget:
             ConfigError: a missing or malformed field, naming ``cluster.<field>`` and the fix.
         """
         host = str(cc.get("host") or "")
-        if not host or _CONTROL_RE.search(host) or " " in host or host.startswith("-"):
+        if not host or has_control(host) or " " in host or host.startswith("-"):
             raise ConfigError(f"cluster.host={host!r} ({name}): give the login node's host name or address")
         port = int(cc.get("port") or 22)
         if not 0 < port < 65536:
             raise ConfigError(f"cluster.port={port} ({name}): must be between 1 and 65535")
         user = str(cc.get("user") or getpass.getuser())
-        if _CONTROL_RE.search(user) or " " in user or user.startswith("-"):
+        if has_control(user) or " " in user or user.startswith("-"):
             raise ConfigError(f"cluster.user={user!r} ({name}): not a user name")
         key_file = cc.get("key_file")
         if key_file:
