@@ -8,59 +8,25 @@ without slowing the loop.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import math
-import os
-import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator
 
-from .checkpoints import (BackgroundWriter, BufferPool, Checkpoint, CheckpointStore, PendingCheckpoint,
-                         rank_state_name)
-from .checkpoints.writer import async_default
 from . import rules
+from .checkpoints import BackgroundWriter, BufferPool, Checkpoint, CheckpointStore
+from .checkpoints.writer import async_default
 from .distributed import Dist
-from .errors import CheckpointError, ConfigError, NonFiniteError
+from .errors import ConfigError
 from .progress import Progress
 from .rng import rng_state, set_rng_state, shield_workers
+from .run_checkpoints import CheckpointWriter, RunCheckpoints  # noqa: F401 (CheckpointWriter re-exported)
+from .run_metrics import RunMetrics
 from .signals import StopRequest
-from .tracking.metric_tags import run_tag, tagged_series
 
 log = logging.getLogger("gwenlake_hpc.run")
-
-
-# --- the checkpoint handle users see -------------------------------------------------------------------------
-
-class CheckpointWriter:
-    """What ``with run.checkpoint() as ck`` gives: a place for files and for metrics.
-
-    Attributes:
-        step: the step being checkpointed (steps completed).
-        dir: the (temporary) directory the files go to until the block ends.
-        metrics: set it to a dict of floats (e.g. ``{"test_auc": 0.84}``): stored in the manifest and logged
-            to tracking at this step.
-    """
-
-    def __init__(self, pending: PendingCheckpoint):
-        self._pending = pending
-        self.step = pending.step
-        self.dir = pending.dir
-        self.metrics: dict[str, float] = {}
-
-    def path(self, name: str) -> Path:
-        """Path for file ``name`` in the checkpoint; see :meth:`PendingCheckpoint.path`.
-
-        On ranks other than 0 of a multi-task run the path is in a scratch folder of that rank that is
-        discarded (``save_state`` writes nothing there): rank 0's files are the checkpoint (the model and
-        optimizer state are the same on every rank); each rank's own RNG and data position are saved in it
-        by the Run.
-        """
-        return self._pending.path(name)
-
 
 
 def _length_of(batches: Any) -> int | None:
@@ -73,7 +39,7 @@ def _length_of(batches: Any) -> int | None:
     except TypeError:
         return None
 
-class Run:
+class Run(RunMetrics, RunCheckpoints):
     """Owns the loop of one training; passed to the decorated function as ``run``.
 
     Built by the job (``gwenlake_hpc.job``), not by user code.
@@ -172,6 +138,12 @@ class Run:
         # included), blocked in run.checkpoint(), in run.log(). See _log_times.
         self._times = dict.fromkeys(("input", "step", "checkpoint", "tracking"), 0.0)
         self._steps_timed = 0
+        # When the current window of the breakdown began (perf_counter s), the step it was last logged at, and
+        # where the current step and checkpoint block began: an evaluation step's breakdown is logged before
+        # its checkpoint is sealed (see RunCheckpoints._seal), the rest of that step counts in the next window.
+        self._window_start = 0.0
+        self._times_logged_step: int | None = None
+        self._t_step = self._t_block = 0.0
 
     @property
     def is_main(self) -> bool:
@@ -345,13 +317,14 @@ class Run:
                 self.step, self.epoch = step, epoch
                 self.stopping = final
                 self.at_eval = final or step % self.eval_every == 0 or step == total
-                t_step = time.perf_counter()
+                t_step = self._t_step = time.perf_counter()
                 self._times["input"] += t_step - t_input
                 yield step, batch
-                self._times["step"] += time.perf_counter() - t_step
-                self._steps_timed += 1
-                if self.at_eval:
-                    self._log_times(step)
+                self._times["step"] += time.perf_counter() - max(t_step, self._window_start)
+                if self._times_logged_step != step:  # else logged at its checkpoint, this step counted there
+                    self._steps_timed += 1
+                    if self.at_eval:
+                        self._log_times(step)
                 self._progress.update(step)
                 if final:
                     self.evicted = True
@@ -391,316 +364,6 @@ class Run:
             why = signal.Signals(signum).name if signum > 0 else "a stop request"
             stop.request(f"{why} on rank {rank}")
         return bool(agreed)
-
-    # -- metrics ------------------------------------------------------------------------------------------------
-    def log(self, metrics: Mapping[str, Any], step: int | None = None, tags: Mapping[str, Any] | None = None) -> None:
-        """Record metric values for a step (default: the current step); never blocks on tracking.
-
-        A NaN or infinite value of a loss (a name containing ``loss``) ends the run (``job.on_nonfinite=stop``,
-        the default) before the step's checkpoint can hold diverged weights; other metrics only warn.
-
-        Args:
-            metrics: name -> number (Python float/int, numpy scalar or one-element tensor; note that reading
-                a CUDA tensor synchronises the device).
-            step: the step the values belong to (default: the ``step`` or ``epoch`` tag, else ``run.step``).
-            tags: qualifiers from the vocabulary ``split``, ``class``, ``threshold``, ``optimizer``,
-                ``model_version`` (others warn once); each combination is a series of its own, named with the
-                tags sorted: ``auc/class:churn/split:test``, its tags also recorded as the run tag
-                ``gwenlake.metric_tags.<series>``. ``step``/``epoch`` give the x-axis instead (see
-                :mod:`gwenlake_hpc.tracking.metric_tags`).
-
-        Raises:
-            ValueError: a bad tag name, or a ``step``/``epoch`` tag that is not a whole number.
-            NonFiniteError: a NaN or infinite loss with ``job.on_nonfinite=stop``.
-        """
-        tag_step = None
-        if tags:  # the plain path (every step, no tags) does no naming work
-            series_of, tag_step = self._tagged_names(metrics, tags)
-            values = {series_of[k]: float(v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
-        else:
-            values = {k: float(v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
-        step = int(step) if step is not None else tag_step if tag_step is not None else self.step
-        for k, v in values.items():
-            if not math.isfinite(v):
-                self._non_finite(k, v, step)
-        self._summary.update(values)
-        if self._progress is not None and "loss" in values:
-            self._progress.loss = values["loss"]
-        t0 = time.perf_counter()
-        self.tracker.log_metrics(values, step)
-        self._times["tracking"] += time.perf_counter() - t0
-
-    def _tagged_names(self, metrics: Mapping[str, Any], tags: Mapping[str, Any]) -> tuple[dict[str, str], int | None]:
-        """Series name of each metric under ``tags`` and the step the tags give; records a new series' tags on
-        the run once. Raises ValueError (see :meth:`log`)."""
-        series_of: dict[str, str] = {}
-        tag_step, naming = None, {}
-        for k in metrics:
-            series_of[k], tag_step, naming = tagged_series(k, tags)
-            seen = self._tagged_series.get(series_of[k])
-            if seen is not None and seen != naming:  # "a/b" and "a_b" would merge, and points be lost
-                raise ValueError(f"metric {k!r}: tags {naming} and {seen} both make the series "
-                                 f"{series_of[k]!r} (characters MLflow refuses become '_'): tell them apart")
-        for k in metrics:
-            if series_of[k] not in self._tagged_series:
-                self._tagged_series[series_of[k]] = naming
-                if self.is_main:
-                    self.tracker.set_tags(dict([run_tag(series_of[k], naming)]))
-        return series_of, tag_step
-
-    def _log_times(self, step: int) -> None:
-        """Log where the steps since the last evaluation spent their time, in seconds per step.
-
-        ``time/input`` waiting for the next batch, ``time/compute`` the step itself minus what follows,
-        ``time/checkpoint`` inside ``run.checkpoint()`` blocks (snapshot or write, and whatever the block
-        does), ``time/tracking`` inside ``run.log()``. Logged at each evaluation step (rank 0), not part of
-        :meth:`summary`: a user sees at a glance whether input, model, checkpoints or tracking is the limit.
-        """
-        n = max(self._steps_timed, 1)
-        t = self._times
-        compute = max(t["step"] - t["checkpoint"] - t["tracking"], 0.0)
-        values = {"time/input": t["input"] / n, "time/compute": compute / n, "time/checkpoint": t["checkpoint"] / n,
-                  "time/tracking": t["tracking"] / n}
-        if self.is_main:
-            self.tracker.log_metrics(values, step)
-        self._times = dict.fromkeys(t, 0.0)
-        self._steps_timed = 0
-
-    def _non_finite(self, key: str, value: float, step: int) -> None:
-        """A metric is NaN or infinite: stop on a loss (unless ``warn``), warn once otherwise.
-
-        Raises:
-            NonFiniteError: a loss, with ``on_nonfinite="stop"``; the message names metric, step, the
-                newest checkpoint (kept) and the setting that lets the run go on.
-        """
-        if "loss" in key.lower() and self._on_nonfinite == "stop":
-            ck = self.wait_for_checkpoint(raise_error=False)
-            raise NonFiniteError(
-                f"metric {key!r} is {value} at step {step}: the training diverged or its data holds NaN; the "
-                f"newest checkpoint ({ck.path if ck else 'none'}) is kept. Lower the learning rate or clean the "
-                "data, or set job.on_nonfinite=warn to go on anyway")
-        if key not in self._warned_nonfinite:
-            self._warned_nonfinite.add(key)
-            log.warning("metric %r is %s at step %d (and may be again: warned once)", key, value, step)
-
-    def summary(self) -> dict[str, float]:
-        """The latest value of every metric logged in this process, plus ``step`` (the last step done).
-
-        Waits for a checkpoint still being written (its metrics are part of the summary).
-        """
-        self.wait_for_checkpoint()
-        return {**self._summary, "step": float(self.step)}
-
-    # -- checkpoints ---------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The Run's own state saved in every checkpoint."""
-        return {
-            "run_key": self.run_key,
-            "step": self.step,
-            "epoch": self.epoch,
-            "data_position": {"epoch": self.epoch, "next_global_batch": self.step, "rank": self.rank,
-                              "world_size": self.world_size},
-            "seed": self.seed,
-            "world_size": self.world_size,
-            "total_steps": self.total_steps,
-            "rng": rng_state(),
-            "tracking_run_id": getattr(self.tracker, "run_id", None),
-            "time": time.time(),
-        }
-
-    def wait_for_checkpoint(self, raise_error: bool = True) -> Checkpoint | None:
-        """Block until the checkpoint being written in the background (if any) is sealed.
-
-        Called by the Run at the end of the loop (so an evicted run exits only once its final checkpoint is
-        sealed), by :meth:`summary` and by the job before it commits the model.
-
-        Returns:
-            The newest sealed checkpoint of this process (:attr:`latest_checkpoint`), or None.
-
-        Raises:
-            CheckpointError: the background write failed (the message names the path and errno); the
-                previous checkpoint stays the newest usable one. Raised at every later call (the run cannot
-                go on without checkpoints); with ``raise_error=False`` it is logged instead.
-        """
-        self._writer.wait(raise_error)
-        return self.latest_checkpoint
-
-    @contextlib.contextmanager
-    def checkpoint(self, keep: int | None = None, sync: bool | None = None) -> Iterator[CheckpointWriter]:
-        """Write a checkpoint of the current step, atomically.
-
-        Put your files at ``ck.path(name)`` inside the block (``save_state(ck.path("state.safetensors"),
-        ...)``); set ``ck.metrics`` to attach metrics. When the block ends normally the Run adds its own state
-        (step, data position, RNG states), every file is fsynced, a manifest with each file's size and digest
-        is written and the directory renamed into place ("sealed"); then all but the newest ``keep`` complete
-        checkpoints of this run are deleted (None keeps all). If the block raises, nothing is kept.
-
-        Asynchronous (the default, see ``checkpoint_async``): ``save_state`` inside the block only copies the
-        tensors into a reused host buffer, and the block returns at once; a background thread writes, seals
-        and applies ``keep``. The snapshot holds the values of the moment it was taken, so the next step may
-        change the model right away. At most one checkpoint is in flight: the next ``run.checkpoint()`` first
-        waits for the previous one. A checkpoint counts for resume only once sealed; the loop's end (eviction
-        included), :meth:`summary` and the job's commit wait for it. Files written by other means inside the
-        block are written there and then, as in a synchronous checkpoint.
-
-        Args:
-            keep: how many complete checkpoints to keep (None: all).
-            sync: True writes and seals before the block returns; None uses the Run's default.
-
-        Raises:
-            ConfigError: ``keep`` < 1, or a bad file name.
-            CheckpointError: the previous background write failed (path and errno in the message).
-        """
-        if keep is not None and int(keep) < 1:
-            raise ConfigError(f"run.checkpoint(keep={keep}): keep must be at least 1 (or None to keep all)")
-        asynchronous = self.checkpoint_async if sync is None else not sync
-        if self._in_checkpoint:
-            raise ConfigError("run.checkpoint() blocks cannot be nested: write every file of the step in one block")
-        if self._checkpoint_step == self.step:
-            raise ConfigError(f"run.checkpoint() was already called at step {self.step}: one checkpoint a step "
-                              "(write every file of the step in one block)")
-        self._in_checkpoint = True
-        started = time.perf_counter()
-        try:
-            # The block's own code (the user's save_state calls, an evaluation) counts as checkpoint time too:
-            # what the loop is blocked by.
-            yield from self._checkpoint(keep, asynchronous)
-        finally:
-            self._in_checkpoint = False
-            self._times["checkpoint"] += time.perf_counter() - started
-
-    def _checkpoint(self, keep: int | None, asynchronous: bool) -> Iterator[CheckpointWriter]:
-        if self.dist.enabled:
-            with self._checkpoint_multi(keep, asynchronous) as writer:
-                yield writer
-        else:
-            self._writer.wait()  # at most one in flight; raises the previous one's error
-            pending = self.store.begin(self.step, buffers=self._buffers if asynchronous else None)
-            writer = CheckpointWriter(pending)
-            try:
-                yield writer
-                pending.metrics = {k: float(v) for k, v in writer.metrics.items()}
-                pending.prepare(self.state_dict())
-            except BaseException:
-                pending.abort()
-                raise
-            if writer.metrics:
-                self.log(writer.metrics)
-            self._seal(pending, keep, asynchronous)
-            self._checkpoint_step = self.step
-
-    def _seal(self, pending: PendingCheckpoint, keep: int | None, asynchronous: bool) -> None:
-        """Make the points logged so far durable, seal ``pending`` and apply retention: in the background
-        writer, or here when synchronous.
-
-        The points come first: a checkpoint sealed before the points it covers are on disk would let a
-        SIGKILL lose them for good (the resumed run does not replay steps at or before its checkpoint).
-        """
-        make_durable = getattr(self.tracker, "make_durable", None) if self.is_main else None
-
-        def job() -> Checkpoint:
-            if make_durable is not None:
-                make_durable(timeout_s=5.0)
-            ck = pending.seal()
-            self.latest_checkpoint = ck
-            if keep is not None:
-                try:
-                    self.store.retain(int(keep), newest=ck.step)
-                except OSError as exc:  # the new checkpoint is sealed: an old one left behind is no failure
-                    log.warning("checkpoint %s is sealed, but an older one could not be deleted (keep=%s): %s",
-                                ck.path.name, keep, exc)
-            return ck
-
-        if asynchronous:
-            step = pending.step
-            previous = self.latest_checkpoint
-
-            def background() -> Checkpoint:
-                try:
-                    return job()
-                except OSError as exc:
-                    raise CheckpointError(
-                        f"the checkpoint of step {step} could not be written: {exc} "
-                        f"(errno {exc.errno}); the newest usable checkpoint is "
-                        f"{previous.path if previous else 'none'}") from exc
-
-            self._writer.submit(background)
-        else:
-            job()
-
-    @contextlib.contextmanager
-    def _checkpoint_multi(self, keep: int | None, asynchronous: bool) -> Iterator[CheckpointWriter]:
-        """The checkpoint protocol of a multi-task run (every rank enters it at the same step).
-
-        Rank 0 waits for its previous background seal, opens the partial directory and tells the others its
-        name; every rank writes its own state (RNG, data position) into it, the user's files of ranks other
-        than 0 go to a discarded scratch folder; once all ranks report success, rank 0 seals it (in the
-        background when asynchronous) and tells the others. A failure on any rank aborts the checkpoint on all
-        of them; a failed background seal of rank 0 fails every rank at the next checkpoint.
-        """
-        error: BaseException | None = None
-        pending = None
-        if self.dist.is_main:
-            try:
-                self._writer.wait()
-                pending = self.store.begin(self.step, buffers=self._buffers if asynchronous else None)
-            except BaseException as exc:  # tell the others before raising
-                error = exc
-        name = self.dist.broadcast(pending.dir.name if pending else None)
-        if error is not None:
-            raise error
-        if name is None:
-            raise CheckpointError(f"rank {self.rank}: rank 0 could not start the checkpoint of step {self.step} "
-                                  "(its previous checkpoint failed to write; see its log)")
-        partial = self.store.root / name
-        if pending is None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-            pending = PendingCheckpoint(self.store, self.step, scratch=self._scratch)
-        writer = CheckpointWriter(pending)
-        try:
-            yield writer
-            if self.rank:
-                state = self.state_dict()
-                mine = {k: state[k] for k in ("rng", "data_position", "step", "epoch")}
-                target = partial / rank_state_name(self.rank)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with open(target, "w") as fh:
-                    json.dump(mine, fh, sort_keys=True)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-        except BaseException as exc:  # still take part in the vote, then re-raise
-            error = exc
-        failed = self.dist.any(error is not None)
-        sealed = None
-        if not self.dist.is_main:
-            pending.abort()  # the scratch folder: nothing in it is kept
-        else:
-            if failed:
-                pending.abort()
-            else:
-                pending.metrics = {k: float(v) for k, v in writer.metrics.items()}
-                try:
-                    pending.prepare(self.state_dict())
-                    if writer.metrics:
-                        self.log(writer.metrics)
-                    self._seal(pending, keep, asynchronous)
-                    sealed = f"step-{self.step:09d}"
-                except BaseException as exc:
-                    pending.abort()
-                    error = exc
-        name = self.dist.broadcast(sealed)
-        if error is not None:
-            raise error
-        if name is None:
-            raise CheckpointError(f"rank {self.rank}: the checkpoint of step {self.step} was not sealed "
-                                  "(another rank failed writing its part; see its log)")
-        if not self.dist.is_main and not asynchronous:
-            self.latest_checkpoint = self.store.open(name)
-        self._checkpoint_step = self.step
-
-
-#: The Run whose training function is running in this process (set by the job around the call).
-
 
 # the helpers of the current run and of the RNG, re-exported where users and the job found them
 from .current import active, checkpoint, current_run, last_checkpoint_path, log_metrics, log_rollout  # noqa: E402,F401

@@ -206,3 +206,30 @@ def test_a_dataloader_over_an_iterable_dataset_without_len_runs_job_steps(tmp_pa
     assert got == [(s, (s - 1) % 4) for s in range(1, 11)]
     with pytest.raises(ConfigError, match="set job.steps"):
         list(make_run(tmp_path / "e", steps=None, epochs=2).steps(loader))
+
+
+class DurableRecorder(Recorder):
+    """A Recorder that notes when the Run asks for the points so far to be made durable (before a seal)."""
+
+    def __init__(self):
+        super().__init__()
+        self.durable_at = []  # (number of points queued then, step being sealed)
+
+    def make_durable(self, timeout_s):
+        self.durable_at.append(len(self.points))
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_an_evaluation_steps_time_breakdown_is_made_durable_with_its_checkpoint(tmp_path, sync):
+    # A kill after the seal must not lose the breakdown of the step the resumed run starts after.
+    run = make_run(tmp_path, tracker=DurableRecorder(), steps=12, eval_every=4, checkpoint_async=not sync)
+    for step, _ in run.steps():
+        if step in (4, 12):  # 8: an evaluation step without a checkpoint
+            with run.checkpoint() as ck:
+                ck.path("w").write_text(str(step))
+        run.wait_for_checkpoint()
+    times = [(i, s) for i, (s, values) in enumerate(run.tracker.points) if "time/compute" in values]
+    assert [s for _, s in times] == [4, 8, 12]  # one breakdown per evaluation step, none twice
+    first_seal, last_seal = run.tracker.durable_at
+    assert times[0][0] < first_seal and times[2][0] < last_seal  # queued before the seal's points were made durable
+    assert all(v >= 0 for _, values in run.tracker.points if "time/compute" in values for v in values.values())
