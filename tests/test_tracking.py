@@ -496,7 +496,7 @@ def test_finish_does_not_wait_for_a_hung_server(
         assert [p["step"] for p in spool_points(state_dir)] == list(range(1, 11))
         assert json.loads((state_dir / PENDING_STATUS_FILE).read_text())["status"] == "FINISHED"
         # The delivery process was stopped: once its request would have given up, the state is still there.
-        assert tracker._proc is None
+        assert tracker._delivery.proc is None
         time.sleep(3.5)
     assert [p["step"] for p in spool_points(state_dir)] == list(range(1, 11))
     assert (state_dir / PENDING_STATUS_FILE).exists()

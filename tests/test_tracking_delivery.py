@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 from conftest import wait_until
 from gwenlake_hpc.tracking import Tracker, default_uri
 from gwenlake_hpc.tracking import spool as spool_mod
-from gwenlake_hpc.tracking import tracker as tracker_mod
+from gwenlake_hpc.tracking import delivery_process
 from gwenlake_hpc.tracking.spool import SpoolReader, SpoolWriter, encode, points_of, read_all, segment_paths
 
 
@@ -100,7 +100,7 @@ TRAINING = textwrap.dedent("""
     for step in range(1, 201):
         t.log_metrics({"loss": 1.0 / step}, step)
     assert t.make_durable()
-    print(json.dumps({"durable": 200, "child": t._proc.pid}), flush=True)
+    print(json.dumps({"durable": 200, "child": t._delivery.proc.pid}), flush=True)
     if mode == "finish":
         ok = t.finish("FINISHED", timeout_s=120)
         print(json.dumps({"result": ok, "mlflow_imported": "mlflow" in sys.modules}), flush=True)
@@ -153,13 +153,13 @@ def test_a_sigkilled_training_leaves_its_points_delivered_by_the_orphaned_delive
 
 def test_the_delivery_process_ignores_sigterm_and_is_restarted_when_it_dies(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(tracker_mod, "_RESTART_EVERY_S", 0.5)
+    monkeypatch.setattr(delivery_process, "RESTART_EVERY_S", 0.5)
     uri = default_uri(tmp_path)
     tracker = Tracker(uri, "exp", "r", tmp_path / "tracking", flush_interval_s=0.2)
     for step in range(1, 101):
         tracker.log_metrics({"loss": 1.0 / step}, step)
     assert tracker.wait_attached(120)
-    pid = tracker._proc.pid
+    pid = tracker._delivery.proc.pid
     os.kill(pid, signal.SIGTERM)  # SLURM's eviction signal reaches every process of the job step
     for step in range(101, 201):
         tracker.log_metrics({"loss": 1.0 / step}, step)
@@ -170,7 +170,7 @@ def test_the_delivery_process_ignores_sigterm_and_is_restarted_when_it_dies(
     os.kill(pid, signal.SIGKILL)  # the OOM killer
     for step in range(201, 301):
         tracker.log_metrics({"loss": 1.0 / step}, step)
-    wait_for(lambda: tracker._proc is not None and tracker._proc.pid != pid, what="a new delivery process")
+    wait_for(lambda: tracker._delivery.proc is not None and tracker._delivery.proc.pid != pid, what="a new delivery process")
     assert tracker.finish("FINISHED", timeout_s=120) is True
     assert steps_of(client, tracker.run_id) == list(range(1, 301))
     assert client.get_run(tracker.run_id).info.status == "FINISHED"
@@ -186,8 +186,8 @@ def test_a_delivery_process_killed_just_before_the_end_is_started_again_by_finis
     for step in range(1, 101):
         tracker.log_metrics({"loss": 1.0 / step}, step)
     assert tracker.wait_attached(120)
-    os.kill(tracker._proc.pid, signal.SIGKILL)
-    tracker._proc.wait(30)
+    os.kill(tracker._delivery.proc.pid, signal.SIGKILL)
+    tracker._delivery.proc.wait(30)
     for step in range(101, 201):
         tracker.log_metrics({"loss": 1.0 / step}, step)
     assert tracker.finish("FINISHED", timeout_s=120) is True

@@ -24,8 +24,6 @@ import logging
 import math
 import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -35,23 +33,16 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..fsutil import write_atomic
-from ..signals import shield_children
-from .session import MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE_LENGTH, MAX_TAG_VALUE_LENGTH, http_env
+from .delivery_process import DeliveryProcess
+from .session import MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE_LENGTH, MAX_TAG_VALUE_LENGTH
 from .spool import Entry, SpoolReader, SpoolWriter, encode
 from .state import TERMINAL_STATUSES, TRACKING_JSON, read_run_id, sync_hint, write_pending_status
 from .uri import redact_uri, validate_uri
 
 logger = logging.getLogger("gwenlake_hpc.tracking")
 
-# After finish()/close() times out, how long the caller still waits for the delivery process's answer before
-# it stops that process and records the state itself.
-_SHUTDOWN_GRACE_S = 1.0
 # Points kept in memory at most while the spool cannot be written (disk full); older ones are dropped.
 _MAX_BUFFERED = 1_000_000
-# A delivery process that died is started again, at most this often (seconds).
-_RESTART_EVERY_S = 30.0
-# The delivery process's niceness: it yields the CPU to the training where they compete for it.
-DELIVERY_NICE = 5
 
 
 def stage_artifact(state_dir: Path, local_file: str | os.PathLike[str], artifact_path: str | None) -> dict[str, Any]:
@@ -170,14 +161,10 @@ class Tracker:
 
         self._api_lock = threading.Lock()
         self._final: tuple[str, str | None, bool] | None = None
-        self._attached = threading.Event()
-        self._outage = threading.Event()  # the delivery process could not reach MLflow (cleared on attach)
-        self._answer = threading.Event()
-        self._answer_result = False
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._proc_lock = threading.Lock()
-        self._last_start = -math.inf
-        self._start_delivery()
+        self._delivery = DeliveryProcess(
+            {"state_dir": str(self._state_dir), "uri": self._uri, "flush_interval_s": self._flush_interval_s,
+             "retry_max_s": self._retry_max_s, "after_attach": self._after_attach}, self._on_attached)
+        self._delivery.start()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._write_loop, name="gwenlake-spool", daemon=True)
         self._thread.start()
@@ -202,13 +189,22 @@ class Tracker:
 
         Returns False at once when the delivery process reported that MLflow does not answer (waiting longer
         would only delay the end of the job; what needs the run is recorded as pending)."""
+        attached, outage = self._delivery.attached, self._delivery.outage
         deadline = time.monotonic() + max(timeout_s, 0.0)
-        while not self._attached.is_set() and not self._outage.is_set():
+        while not attached.is_set() and not outage.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            self._attached.wait(min(left, 0.2))
-        return self._attached.is_set()
+            attached.wait(min(left, 0.2))
+        return attached.is_set()
+
+    def _on_attached(self, run_id: str, marks: Mapping[str, int]) -> None:
+        """The delivery process attached the run: its id, and the steps MLflow holds (dropped here too)."""
+        self._run_id = run_id
+        with self._lock:
+            for key, step in marks.items():
+                if step > self._marks.get(key, -math.inf):
+                    self._marks[key] = int(step)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
         """Record one point per metric at ``step``; never blocks on tracking, never raises for it.
@@ -290,7 +286,7 @@ class Tracker:
         Returns False when the spool cannot be written. ``timeout_s`` is kept for compatibility.
         """
         ok = self._write(sync=False)
-        self._send({"op": "wake"})
+        self._delivery.send({"op": "wake"})
         return ok
 
     def make_durable(self, timeout_s: float = 5.0) -> bool:
@@ -386,105 +382,11 @@ class Tracker:
                 wrote = bool(self._buf)
                 self._write(sync=False)
                 if wrote:
-                    self._send({"op": "wake"})
-                self._check_delivery()
+                    self._delivery.send({"op": "wake"})
+                if not self._closed:
+                    self._delivery.check()
             except Exception:  # noqa: BLE001 - a bug here must not stop the training; the end writes again
                 logger.exception("tracking: internal error in the spool writer")
-
-    # -- the delivery process ------------------------------------------------------------------
-
-    def _start_delivery(self) -> None:
-        """Start ``python -m gwenlake_hpc.tracking`` and the thread that reads its events."""
-        self._last_start = time.monotonic()
-        env = http_env()
-        if env.get("MLFLOW_TRACKING_URI", "").startswith("gwenlake-job:"):  # the training's own, not the store's
-            env.pop("MLFLOW_TRACKING_URI")
-            env.pop("MLFLOW_RUN_ID", None)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        package_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        env["GWENLAKE_DELIVERY_NICE"] = str(DELIVERY_NICE)
-        try:
-            # A session of its own: a Ctrl-C in the terminal is for the training, which then ends the delivery.
-            # Stop signals blocked until it ignores them itself (SLURM signals every process of a job step).
-            with shield_children():
-                proc = subprocess.Popen([sys.executable, "-m", "gwenlake_hpc.tracking"],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                        start_new_session=True)
-            assert proc.stdin is not None
-            setup = {"state_dir": str(self._state_dir), "uri": self._uri, "flush_interval_s": self._flush_interval_s,
-                     "retry_max_s": self._retry_max_s, "ppid": os.getpid(), "after_attach": self._after_attach}
-            proc.stdin.write((json.dumps(setup) + "\n").encode())
-            proc.stdin.flush()
-        except OSError as exc:
-            logger.warning("tracking: cannot start the delivery process (%s); points are kept in %s; `%s` "
-                           "delivers them", exc, self._state_dir / "spool", sync_hint(self._state_dir))
-            return
-        with self._proc_lock:
-            self._proc = proc
-        threading.Thread(target=self._read_events, args=(proc,), name="gwenlake-delivery-events",
-                         daemon=True).start()
-
-    def _read_events(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            try:
-                event = json.loads(raw)
-            except ValueError:
-                continue
-            kind = event.get("event")
-            if kind == "log":
-                logging.getLogger(str(event.get("name") or logger.name)).log(
-                    int(event.get("level", logging.INFO)), "%s", event.get("msg", ""))
-            elif kind == "attached":
-                self._run_id = str(event["run_id"])
-                with self._lock:
-                    for key, step in (event.get("marks") or {}).items():
-                        if step > self._marks.get(key, -math.inf):
-                            self._marks[key] = int(step)
-                self._outage.clear()
-                self._attached.set()
-            elif kind == "outage":
-                self._outage.set()
-            elif kind == "done":
-                self._answer_result = bool(event.get("result"))
-                self._answer.set()
-        proc.stdout.close()
-
-    def _send(self, op: dict[str, Any]) -> bool:
-        with self._proc_lock:
-            proc = self._proc
-            if proc is None or proc.stdin is None or proc.poll() is not None:
-                return False
-            try:
-                proc.stdin.write((json.dumps(op) + "\n").encode())
-                proc.stdin.flush()
-                return True
-            except (OSError, ValueError):
-                return False
-
-    def _check_delivery(self) -> None:
-        """Start the delivery process again if it died on its own (a bug, the OOM killer), at most every 30 s."""
-        with self._proc_lock:
-            proc = self._proc
-        if self._closed or (proc is not None and proc.poll() is None):
-            return
-        if time.monotonic() - self._last_start < _RESTART_EVERY_S:
-            return
-        if proc is not None:
-            logger.warning("tracking: the delivery process exited (code %s); starting it again", proc.returncode)
-            self._reap(proc)
-        self._start_delivery()
-
-    def _reap(self, proc: subprocess.Popen[bytes]) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            if proc.stdin is not None:
-                proc.stdin.close()
-        with contextlib.suppress(OSError):
-            if proc.poll() is None:
-                proc.kill()
-        with contextlib.suppress(Exception):
-            proc.wait(timeout=10)
 
     # -- the end -----------------------------------------------------------------------------
 
@@ -509,53 +411,12 @@ class Tracker:
                 written = self._write(sync=True)
                 with contextlib.suppress(OSError):
                     self._writer.close()
-            result = self._ask_to_end(kind, status, end_time, timeout_s, after) and written
-            with self._proc_lock:
-                proc, self._proc = self._proc, None
-            if proc is not None:
-                self._reap(proc)
+            result = self._delivery.end(kind, status, end_time, timeout_s, after) and written
+            self._delivery.stop()
             if not result:
                 self._record_pending(kind, status, end_time)
             self._final = (kind, status, result)
             return result
-
-    def _ask_to_end(self, kind: str, status: str | None, end_time: int, timeout_s: float,
-                    after: str | None = None) -> bool:
-        """Tell the delivery process to deliver everything and end (``finish``: then mark the run ``status``);
-        True when it answered that it did. A delivery process that is dead, or dies meanwhile (killed on its
-        own), is started again at once, twice at most, within the time left."""
-        deadline = time.monotonic() + timeout_s + _SHUTDOWN_GRACE_S
-        restarts = 0
-        while True:
-            with self._proc_lock:
-                proc = self._proc
-            if proc is None or proc.poll() is not None:
-                if restarts >= 2 or time.monotonic() >= deadline - _SHUTDOWN_GRACE_S:
-                    return False
-                restarts += 1
-                if proc is not None:
-                    logger.warning("tracking: the delivery process exited (code %s); starting it again to deliver "
-                                   "the last points", proc.returncode)
-                    self._reap(proc)
-                self._start_delivery()
-                with self._proc_lock:
-                    proc = self._proc
-                if proc is None:
-                    return False
-            left = max(deadline - _SHUTDOWN_GRACE_S - time.monotonic(), 0.0)
-            op: dict[str, Any] = {"op": kind, "timeout_s": left}
-            if status is not None:
-                op.update(status=status, end_time=end_time)
-            if after:
-                op["after"] = after
-            self._answer.clear()
-            self._send(op)
-            while not self._answer.is_set() and proc.poll() is None and time.monotonic() < deadline:
-                self._answer.wait(0.1)
-            if self._answer.is_set():
-                return self._answer_result
-            if time.monotonic() >= deadline:
-                return False
 
     def _record_pending(self, kind: str, status: str | None, end_time: int) -> None:
         if kind == "finish" and status is not None:
