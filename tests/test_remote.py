@@ -110,7 +110,7 @@ def test_submit_follow_logs_completed_and_model_at_the_pinned_commit(rc):
     assert len(scripts) == 1 and scripts[0].endswith(".sbatch")  # no temporary upload left behind
     record = rc.job_record(job)
     assert record["cluster"] == "test" and record["commit"] == head and record["ssh"]["port"] == rc.sshd.port
-    from gwenlake_hpc.launch.remote import RemoteJobHandle
+    from gwenlake_hpc.launch.remote_jobs import RemoteJobHandle
 
     handle = RemoteJobHandle(record)  # the Python handle, through SSH
     final = handle.wait(timeout=60)
@@ -235,7 +235,7 @@ def test_cancel_over_ssh_keeps_checkpoints(rc):
         time.sleep(0.3)
     proc = rc.ws.run("cancel", job, check=0)
     assert f"cancelled {job} on test" in proc.stdout
-    from gwenlake_hpc.launch.remote import wait_remote
+    from gwenlake_hpc.launch.remote_jobs import wait_remote
 
     final = wait_remote(record, timeout_s=120, poll_s=0.5)
     assert final.state.startswith("CANCELLED") and final.step is not None and final.step >= 10

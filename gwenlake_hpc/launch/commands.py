@@ -15,7 +15,7 @@ from .status import FINAL_STATES, JobStatus, job_status, scancel, slurm_state
 def any_job_status(record: dict) -> JobStatus:
     """Status of a job record: asked over SSH for a record with a ``cluster``, else of this host's SLURM."""
     if record.get("cluster"):
-        from .remote import remote_job_status  # paramiko: only for jobs on a cluster over SSH
+        from .remote_jobs import remote_job_status  # paramiko: only for jobs on a cluster over SSH
 
         return remote_job_status(record)
     return job_status(record)
@@ -49,7 +49,7 @@ def cancel(job_id: str, runs_root: Path | None = None) -> int:
     as submitted to a remote cluster is cancelled there over SSH."""
     remote = [r for r in job_records(runs_root) if r["job_id"] == job_id] if runs_root is not None else []
     if remote and remote[-1].get("cluster"):
-        from .remote import cancel_remote
+        from .remote_jobs import cancel_remote
 
         return cancel_remote(remote[-1])
     return scancel(job_id)
@@ -66,7 +66,7 @@ def print_logs(runs_root: Path, job_id: str, follow: bool = False, stderr: bool 
     """The ``logs`` command: print the job's log; with ``follow``, until the job reaches a final state."""
     r = _record(runs_root, job_id)
     if r.get("cluster"):
-        from .remote import print_remote_logs
+        from .remote_jobs import print_remote_logs
 
         return print_remote_logs(r, follow=follow, stderr=stderr)
     path = Path(r["stderr" if stderr else "stdout"].replace("%j", job_id))
