@@ -97,6 +97,12 @@ TRAINING = textwrap.dedent("""
     from gwenlake_hpc.tracking import Tracker
     uri, state, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     t = Tracker(uri, "exp", "r", state, flush_interval_s=0.2)
+    if mode == "die-early":  # killed before the delivery process has attached the run (it imports MLflow first)
+        for step in range(1, 11):
+            t.log_metrics({"loss": 1.0 / step}, step)
+        assert t.make_durable()
+        print(json.dumps({"durable": 10, "child": t._delivery.proc.pid}), flush=True)
+        time.sleep(600)
     for step in range(1, 201):
         t.log_metrics({"loss": 1.0 / step}, step)
     assert t.make_durable()
@@ -143,12 +149,31 @@ def test_a_sigkilled_training_leaves_its_points_delivered_by_the_orphaned_delive
     assert client.get_run(run_id).info.status == "RUNNING"  # killed: no status
     assert segment_paths(state) == []  # all delivered, and the dead writer's segment removed
 
+
     # The next start reattaches and goes on, each step once.
     again = Tracker(uri, "exp", "r", state, flush_interval_s=0.2)
     for step in range(len(steps) - 50, 401):  # replays after its "checkpoint"
         again.log_metrics({"loss": 1.0 / step}, step)
     assert again.finish("FINISHED", timeout_s=120) is True
     assert again.run_id == run_id and steps_of(client, run_id) == list(range(1, 401))
+
+
+@pytest.mark.slow
+def test_a_training_killed_before_the_attach_is_not_reported_as_an_mlflow_outage(tmp_path: Path) -> None:
+    # The delivery process's events then have no reader: that is no reason to call MLflow unreachable.
+    uri = default_uri(tmp_path)
+    state = tmp_path / "tracking"
+    proc = subprocess.Popen([sys.executable, "-c", TRAINING, uri, str(state), "die-early"], env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = json.loads(proc.stdout.readline())
+    assert not (state / "run_id").exists()  # not attached yet
+    proc.kill()
+    _, stderr = proc.communicate(timeout=120)  # until the orphaned delivery process closes stderr too
+    wait_for(lambda: not alive(first["child"]), 120, "the orphaned delivery process to end")
+    client = MlflowClient(uri)
+    run_id = (state / "run_id").read_text().strip()
+    assert steps_of(client, run_id) == list(range(1, 11))
+    assert "not answering" not in stderr and "Traceback" not in stderr, stderr
 
 
 def test_the_delivery_process_ignores_sigterm_and_is_restarted_when_it_dies(

@@ -415,7 +415,13 @@ def main() -> int:
 
     def send(event: dict[str, Any]) -> None:
         with send_lock:
-            proto.write(json.dumps(event) + "\n")
+            try:
+                proto.write(json.dumps(event) + "\n")
+            except (OSError, ValueError):
+                # The training is gone (killed): its events have no reader, which says nothing about MLflow.
+                # A log record still reaches stderr (_ProtocolHandler); other events are for nobody now.
+                if event.get("event") == "log":
+                    raise
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     pkg = logging.getLogger("gwenlake_hpc")
