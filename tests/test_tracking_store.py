@@ -51,7 +51,23 @@ def test_kill_during_creation_leaves_no_store_or_a_whole_one(tmp_path):
                           timeout=600)
     assert done.returncode == 0, done.stderr[-800:]
     assert "after" in [e.name for e in MlflowClient(uri).search_experiments()]
-    assert not list(tmp_path.glob(".mlflow.db.*.tmp"))  # a killed creator's temporary file is cleaned
+    assert not list(tmp_path.glob(".mlflow.db.*.tmp*"))  # a killed creator's temporary file (and journal) cleaned
+
+
+@pytest.mark.parametrize("store_exists", [False, True])
+def test_a_killed_creators_temporary_store_and_its_journal_are_removed(tmp_path, store_exists):
+    from gwenlake_hpc.tracking import sqlite as sqlite_mod
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    if store_exists:
+        ensure_sqlite_store(uri)
+        sqlite_mod._READY.clear()  # another process: it checks the store again
+    left = [tmp_path / ".mlflow.db.0123456789ab.tmp", tmp_path / ".mlflow.db.0123456789ab.tmp-journal"]
+    for f in left:
+        f.write_bytes(b"partial")
+    ensure_sqlite_store(uri)
+    assert [f for f in left if f.exists()] == []
+    assert MlflowClient(uri).search_experiments()  # and the store works
 
 
 def test_broken_store_is_reported_with_its_path(tmp_path):

@@ -75,6 +75,10 @@ def ensure_sqlite_store(uri: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "a") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file is closed
+        # Under the lock no one is creating: a temporary store (and SQLite's journal of it) is a killed
+        # creator's leftover.
+        for stale in path.parent.glob(f".{path.name}.*.tmp*"):
+            stale.unlink(missing_ok=True)
         if not path.exists():
             _create(path)
         else:
@@ -103,9 +107,8 @@ def _create(path: Path) -> None:
         fsync_dir(path.parent)
         logger.info("tracking: created the MLflow store %s", path)
     finally:
-        tmp.unlink(missing_ok=True)
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a process killed while creating
-        stale.unlink(missing_ok=True)
+        for leftover in (tmp, *tmp.parent.glob(tmp.name + "-*")):  # the file, or SQLite's -journal/-wal/-shm
+            leftover.unlink(missing_ok=True)
 
 
 def _check(path: Path) -> None:
