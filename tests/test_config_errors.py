@@ -1,0 +1,175 @@
+"""Bad settings, in process (fast tier): exit status 2, a message naming the key, and nothing written or deleted.
+
+The command line's own entry point (``gwenlake_hpc.cli.main``) runs here, in the test's process, against a
+project trained once; ``tests/test_bad_input.py`` keeps a few of the same cases as real subprocesses. The
+rules themselves (``gwenlake_hpc.rules``, applied by the config dataclasses) are tested below on their own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from gwenlake_hpc.config import typed, typed_launcher
+from gwenlake_hpc.errors import ConfigError
+
+
+def snapshot(root):
+    """sha256 of every file under runs/ (run.json included: a refused job records no start)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((root / "runs").rglob("*")) if p.is_file() and p.name not in ("mlflow.db", ".lock")}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The tests' project with one finished run (in process), a plain file and a symlink loop."""
+    from conftest import make_test_project
+    from gwenlake_hpc.cli import main
+
+    project = make_test_project(tmp_path_factory.mktemp("config-errors") / "project")
+    mp = pytest.MonkeyPatch()
+    mp.chdir(project.root)
+    mp.delenv("GWENLAKE_CONF", raising=False)
+    try:
+        assert main(["+job=t", "job.tracking=false", "job.steps=20", "launcher.progress=off"]) == 0
+        (project.root / "afile").write_text("a plain file where a folder is expected\n")
+        (project.root / "loop1").symlink_to("loop2")
+        (project.root / "loop2").symlink_to("loop1")
+        yield project
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["+job=nope"], "job/nope"),
+    (["+job=t", "job.bogus=1"], "bogus"),
+    (["+job=t", "paths.nope=x"], "nope"),
+    (["+job=t", "job.steps=many"], "steps"),
+    (["+job=t", "job.params.nope=1"], "nope"),
+    (["+job=t", "+job.params.nope=1"], "job.params.nope"),  # added, then refused by the dataclass
+    (["+job=t", "job.params.lr=fast"], "job.params.lr"),
+    (["+job=t", "job.resume=maybe"], "resume"),
+    (["+job=t", "job.resume=never", "job.steps=90"], "job.resume=never"),
+    (["+job=t", "job.steps=5"], "job.steps=5 is below step 20"),  # the run holds a checkpoint of step 20
+    (["+job=t", "job.target=trainer.py:nothing"], "nothing"),
+    (["+job=t", "job.target=no_such_module:fit"], "no_such_module"),
+    ([], "+job=NAME"),
+    (["+job=t", "job.steps=-5"], "job.steps=-5"),
+    (["+job=t", "job.steps=0"], "job.steps=0: must be a whole number >= 1"),  # would commit an untrained model
+    (["+job=t", "job.epochs=0"], "job.epochs=0"),
+    (["+job=t", "job.eval_every=0"], "job.eval_every"),
+    (["+job=t", "job.on_nonfinite=ignore"], "job.on_nonfinite"),
+    (["+job=t", "launcher.progress=banana"], "launcher.progress='banana': use auto, bar, lines or off"),
+    (["+job=t", "launcher.progress_every_s=0"], "launcher.progress_every_s=0"),
+    (["+job=t", "launcher.name=slrum"], "launcher.name='slrum': use local or slurm"),  # not a silent local run
+    (["+job=t", "job.seed=-1"], "job.seed"),  # refused before a run directory is made for that seed
+    (["+job=t", "job.steps=10", "job.epochs=2"], "both set"),  # never one of the two silently ignored
+    (["+job=t", "tracking.flush_interval_s=0"], "tracking.flush_interval_s=0"),
+    (["+job=t", "tracking.finish_timeout_s=-1"], "tracking.finish_timeout_s=-1"),
+    # Folders the job would only fail on later (the model repository: after the whole training).
+    (["+job=t", "paths.data_root=afile"], "afile is a file, not a folder"),
+    (["+job=t", "paths.runs_root=afile"], "afile is a file, not a folder"),
+    (["+job=t", "paths.runs_root=/proc/gwenlake-runs"], "paths.runs_root=/proc/gwenlake-runs cannot be written"),
+    (["+job=t", "paths.model_repo=afile"], "paths.model_repo="),
+    (["+job=t", "paths.model_repo=conf"], "is not a git repository"),
+    (["+job=t", "paths.model_repo=afile/x"], "cannot be created"),  # found before the training, not after
+    (["+job=t", "paths.runs_root=loop1"], "paths.runs_root='loop1' cannot be resolved"),  # a symlink loop
+    (["+job=t", "paths.runs_root="], "paths.runs_root is empty"),
+    (["+job=t", "job.seed=99999999999999999999999"], "job.seed"),
+    (["+job=t", "job.steps=99999999999999999999999"], "job.steps"),
+    (["+job=t", "job.model=modèle"], "job.model='modèle'"),  # Hydra's lexer refuses it unquoted: say how
+    (["+job=t", "paths.runs_root='ru\nns'"], "holds control characters"),
+    (["+job=t", "statsd.port=70000"], "statsd.port=70000 is not a UDP port"),
+    (["+job=t", "statsd.port=x"], "statsd.port"),  # the schema's type check
+    (["+job=t", "statsd.prefix='a:b'"], "statsd.prefix='a:b'"),
+    (["+job=t", "statsd.host=' '"], "statsd.host=' ' is not a host name"),
+    # sbatch settings: refused at planning, before anything is submitted (no cluster needed)
+    (["+job=t", "launcher=slurm", "launcher.timeout_min=0"], "launcher.timeout_min=0"),
+    (["+job=t", "launcher=slurm", "launcher.signal_delay_s=7200"], "launcher.signal_delay_s=7200"),
+    (["+job=t", "launcher=slurm", "launcher.max_retries=-1"], "launcher.max_retries=-1"),
+    (["+job=t", "launcher=slurm", "launcher.nodes=0"], "launcher.nodes=0"),
+    (["+job=t", "launcher=slurm", "launcher.mem_gb=0"], "launcher.mem_gb=0"),
+    (["+job=t", "launcher=slurm", "launcher.partition='a\nb'"], "control characters"),
+    (["+job=t", "launcher=slurm", "+launcher.additional_parameters.Mail=x"], "'Mail' is not an sbatch option"),
+    (["+job=t", "launcher=slurm", "launcher.container.runtime=docker"], "launcher.container.runtime='docker'"),
+    # A sweep with one bad task: its message, nothing submitted.
+    (["-m", "+job=t", "launcher=slurm", "job.params.lr=0.1,fast"], "could not be converted to Float"),
+    # Tracking URIs that could only fail later, slowly, as an "outage" of minutes.
+    (["+job=t", "tracking.uri=file:///tmp/mlruns"], "tracking.uri"),
+    (["+job=t", "tracking.uri=http://"], "names no host"),
+    (["+job=t", "tracking.uri=http://127.0.0.1:notaport"], "the port is not a number"),
+    (["+job=t", "tracking.uri=sqlite://"], "in-memory SQLite store"),
+    (["+job=t", "tracking.uri=mysql://u@127.0.0.1/db"], "needs the Python package MySQLdb"),
+    (["+job=t", "tracking.uri=sqlite:////proc/gwenlake/mlflow.db"], "the store's folder /proc/gwenlake cannot"),
+])
+def test_a_bad_setting_exits_2_names_the_key_and_changes_nothing(trained, args, needle, monkeypatch, capfd,
+                                                                 caplog):
+    from gwenlake_hpc.cli import main
+
+    monkeypatch.chdir(trained.root)
+    monkeypatch.delenv("GWENLAKE_CONF", raising=False)
+    before = snapshot(trained.root)
+    tracking = "job.tracking=true" if "tracking." in " ".join(args) else "job.tracking=false"
+    assert main([*args, tracking]) == 2
+    out = capfd.readouterr()
+    said = out.out + out.err + caplog.text
+    assert needle in said, said
+    assert snapshot(trained.root) == before
+
+
+# --- the rules, on the typed configs ----------------------------------------------------------------------------
+
+def test_typed_gives_the_dataclasses_with_the_values():
+    s = typed({"job": {"target": "m:f", "steps": 7, "resume": "never", "params": {"lr": 0.1}},
+               "launcher": {"name": "slurm", "timeout_min": 30, "signal_delay_s": 60},
+               "tracking": {"flush_interval_s": 0.5}})
+    assert (s.job.steps, s.job.resume.value, s.job.params) == (7, "never", {"lr": 0.1})
+    assert type(s.launcher).__name__ == "SlurmLauncherConfig" and (s.launcher.timeout_min, s.launcher.nodes) == (30, 1)
+    assert s.tracking.flush_interval_s == 0.5 and s.tracking.finish_timeout_s == 60.0  # the schema's default
+    assert type(typed({"job": {"target": "m:f"}}).launcher).__name__ == "LauncherConfig"  # none given: local
+
+
+@pytest.mark.parametrize("cfg, needle", [
+    ({"job": {"target": "m:f", "stepz": 3}}, "job.stepz"),  # an unknown key, named with its node
+    ({"job": {"target": "m:f", "steps": "x"}}, "job.steps"),
+    ({"job": {"target": "m:f", "steps": True}}, "job.steps"),
+    ({"job": {"target": "m:f"}, "cluster": {"port": 22}}, "cluster.host is not set"),
+    ({"job": {"target": "m:f"}, "launcher": {"name": "slurm", "timeout_min": 1, "signal_delay_s": 60}},
+     "launcher.signal_delay_s=60: must be between 1 and the time limit (60 s)"),
+    ({"job": {"target": "m:f"}, "launcher": {"name": "slurm", "gpus_per_node": 0}}, "launcher.gpus_per_node=0"),
+    ({"job": {"target": "m:f"}, "launcher": {"name": "slurm", "additional_parameters": {"mail-type": ["a"]}}},
+     "give a single value"),
+    ({"job": {"target": "m:f"}, "statsd": {"port": 0}}, "statsd.port=0"),
+])
+def test_typed_refuses_a_bad_value_naming_its_key(cfg, needle):
+    with pytest.raises(ConfigError) as err:
+        typed(cfg)
+    assert needle in str(err.value)
+
+
+def test_the_sbatch_parameters_read_the_typed_launcher():
+    from gwenlake_hpc.launch.slurm import sbatch_parameters
+
+    params = sbatch_parameters({"partition": "gpu", "mem_gb": 1.5, "timeout_min": 10, "additional_parameters":
+                                {"mail-type": "END"}}, job_name="gwenlake:m:k")
+    assert params["partition"] == "gpu" and params["mem"] == "1536M" and params["time"] == 10
+    assert params["additional_parameters"] == {"requeue": True, "mail-type": "END"}
+    assert typed_launcher({"timeout_min": 10}).signal_delay_s == 120
+    with pytest.raises(ConfigError, match="launcher.timeout_min=0"):
+        sbatch_parameters({"timeout_min": 0}, job_name="j")
+
+
+def test_the_run_and_fit_local_apply_the_same_rules(tmp_path):
+    from gwenlake_hpc.run import Run
+    from gwenlake_hpc.signals import StopRequest
+    from gwenlake_hpc.tracking.tracker import NullTracker
+
+    common = dict(run_dir=tmp_path / "r", run_key="k", epochs=None, seed=0, tracker=NullTracker(),
+                  stop=StopRequest(), progress="off")
+    with pytest.raises(ConfigError, match="job.eval_every=0: must be a whole number >= 1"):
+        Run(steps=5, eval_every=0, **common)
+    with pytest.raises(ConfigError, match="job.resume='later': use auto or never"):
+        Run(steps=5, eval_every=1, resume="later", **common)
+    assert not os.path.exists(tmp_path / "r")  # refused before the checkpoint store is made
