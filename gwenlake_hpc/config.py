@@ -345,7 +345,12 @@ def typed(cfg: Any) -> GwenlakeConfig:
                 name = str(sub.get("name", "local"))
                 rules.choice("launcher.name", name, LAUNCHERS, "local: in this process; slurm: submitted")
                 schema = SlurmLauncherConfig if name == "slurm" else LauncherConfig
-            parts[key] = _node_object(sub, schema, key)
+            try:
+                parts[key] = _node_object(sub, schema, key)
+            except ConfigError as exc:
+                if key == "cluster" and str(exc).startswith("launcher."):  # cluster.launcher's own rules
+                    raise ConfigError(f"cluster.{exc}") from None
+                raise
     return GwenlakeConfig(**parts)
 
 

@@ -142,6 +142,8 @@ def test_typed_gives_the_dataclasses_with_the_values():
     ({"job": {"target": "m:f"}, "launcher": {"name": "slurm", "additional_parameters": {"mail-type": ["a"]}}},
      "give a single value"),
     ({"job": {"target": "m:f"}, "statsd": {"port": 0}}, "statsd.port=0"),
+    ({"job": {"target": "m:f"}, "cluster": {"host": "h", "remote_dir": "/r", "launcher": {"timeout_min": 0}}},
+     "cluster.launcher.timeout_min=0"),
 ])
 def test_typed_refuses_a_bad_value_naming_its_key(cfg, needle):
     with pytest.raises(ConfigError) as err:
