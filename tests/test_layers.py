@@ -60,9 +60,17 @@ def test_no_module_outside_the_command_line_imports_a_launcher():
 def test_stores_never_import_the_run_or_the_job():
     graph = imports()
     stores = ("gwenlake_hpc.checkpoints", "gwenlake_hpc.tracking", "gwenlake_hpc.versioning", "gwenlake_hpc.data")
-    upper = {"gwenlake_hpc.run", "gwenlake_hpc.job", "gwenlake_hpc.plan", "gwenlake_hpc.api", "gwenlake_hpc.release"}
+    upper = {"gwenlake_hpc.run", "gwenlake_hpc.run_metrics", "gwenlake_hpc.run_checkpoints", "gwenlake_hpc.job",
+             "gwenlake_hpc.finish", "gwenlake_hpc.plan", "gwenlake_hpc.config", "gwenlake_hpc.api",
+             "gwenlake_hpc.release"}
     offenders = {m: sorted(deps & upper) for m, deps in graph.items() if m.startswith(stores) and deps & upper}
     assert offenders == {}
+
+
+def test_the_basics_import_only_basics():
+    graph = imports()
+    basics = {"gwenlake_hpc.errors", "gwenlake_hpc.rules", "gwenlake_hpc.names", "gwenlake_hpc.fsutil"}
+    assert {m: sorted(graph[m] - basics) for m in basics if graph[m] - basics} == {}
 
 
 def test_the_plan_imports_neither_the_job_nor_the_run():
