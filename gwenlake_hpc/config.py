@@ -336,11 +336,12 @@ def typed(cfg: Any) -> GwenlakeConfig:
     with _as_config_error():
         for key, schema in (("job", JobConfig), ("paths", PathsConfig), ("tracking", TrackingConfig),
                             ("statsd", StatsdConfig), ("launcher", LauncherConfig), ("cluster", ClusterConfig)):
-            sub = node._get_node(key) if key in node else None
-            if sub is None or OmegaConf.is_missing(node, key) or sub._is_none():
-                if key in ("cluster",):
+            if key not in node or OmegaConf.is_missing(node, key) or node[key] is None:
+                if key == "cluster":
                     continue
-                sub = OmegaConf.create({})
+                sub = OmegaConf.create({})  # the schema's defaults
+            else:
+                sub = node[key]
             if key == "launcher":
                 name = str(sub.get("name", "local"))
                 rules.choice("launcher.name", name, LAUNCHERS, "local: in this process; slurm: submitted")
@@ -359,7 +360,7 @@ def _node_object(sub: Any, schema: type, key: str) -> Any:
     from omegaconf import DictConfig, OmegaConf
 
     typed_as = OmegaConf.get_type(sub) if isinstance(sub, DictConfig) else None
-    with _as_config_error(f"{key}.", strip=True):
+    with _as_config_error(f"{key}."):
         if not (isinstance(typed_as, type) and issubclass(typed_as, schema)):
             sub = OmegaConf.merge(OmegaConf.structured(schema), sub)
         return OmegaConf.to_object(sub)
@@ -383,13 +384,15 @@ def typed_launcher(lc: Any) -> SlurmLauncherConfig:
         return OmegaConf.to_object(node)  # type: ignore[return-value]
 
 
+_ROOT_KEYS = tuple(f"{f}." for f in ("job", "paths", "tracking", "statsd", "launcher", "cluster"))
+
+
 class _as_config_error:
     """OmegaConf's errors (a missing value, a wrong type, an unknown key) as a :class:`ConfigError` naming the
     key; a ConfigError from a ``__post_init__`` check passes unchanged."""
 
-    def __init__(self, prefix: str = "", strip: bool = False) -> None:
-        self.prefix = prefix
-        self.strip = strip  # the error's key may already start with the prefix (a node still under its parent)
+    def __init__(self, prefix: str = "") -> None:
+        self.prefix = prefix  # for a node merged on its own, whose keys do not name their parent
 
     def __enter__(self) -> None:
         return None
@@ -400,7 +403,7 @@ class _as_config_error:
         if exc is None or isinstance(exc, ConfigError) or not isinstance(exc, OmegaConfBaseException):
             return False
         key = str(getattr(exc, "full_key", "") or "")
-        if not (self.strip and key.startswith(self.prefix)):
+        if not key.startswith(_ROOT_KEYS):  # a node still in the whole config names its path already
             key = self.prefix + key
         if isinstance(exc, MissingMandatoryValue):
             raise ConfigError(f"{key} is not set: give it in the config file or on the command line ({key}=...)") \
