@@ -128,3 +128,14 @@ def test_commands_that_do_not_train_load_neither_torch_nor_mlflow(project, comma
     loaded = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "gwenlake_hpc" in loaded, proc.stderr[-2000:]
     assert not loaded & {"torch", "mlflow"}, sorted(loaded & {"torch", "mlflow"})
+
+
+def test_no_module_imports_another_ones_private_names():
+    """A name with a leading underscore is its module's own: another module that needs it gets a public one."""
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("gwenlake_hpc")):
+                offenders += [f"{module_name(path)}: {node.module}.{a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+    assert offenders == []

@@ -15,7 +15,7 @@ import numpy as np
 from gwenlake_hpc.errors import ConfigError, DataError
 
 from .batches import Batches
-from .format import _IMPORT_HINT, FORMAT_VERSION, RESERVED_ATTRS, STRING_DTYPE
+from .format import FORMAT_VERSION, IMPORT_HINT, RESERVED_ATTRS, STRING_DTYPE
 from .revision import stored_revision
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class Dataset:
             self._file = h5py.File(self.path, "r", locking=False)
         except OSError as err:
             raise DataError(
-                f"dataset {self.name}: {self.path} is not a readable HDF5 file ({err}); {_IMPORT_HINT}"
+                f"dataset {self.name}: {self.path} is not a readable HDF5 file ({err}); {IMPORT_HINT}"
             ) from None
         try:
             self._load_metadata()
@@ -80,14 +80,14 @@ class Dataset:
             try:
                 columns = [str(c) for c in json.loads(_attr_str(f.attrs["columns"]))]
             except (ValueError, TypeError) as err:
-                raise DataError(f"{where}: attribute 'columns' is not a JSON list ({err}); {_IMPORT_HINT}") from None
+                raise DataError(f"{where}: attribute 'columns' is not a JSON list ({err}); {IMPORT_HINT}") from None
             absent = [c for c in columns if not isinstance(f.get(c), h5py.Dataset)]
             if absent:
-                raise DataError(f"{where}: columns {absent} are listed but missing from the file; {_IMPORT_HINT}")
+                raise DataError(f"{where}: columns {absent} are listed but missing from the file; {IMPORT_HINT}")
         else:
             columns = [k for k in f.keys() if isinstance(f.get(k), h5py.Dataset)]
         if not columns:
-            raise DataError(f"{where}: {self.path} has no columns (no HDF5 dataset at its root); {_IMPORT_HINT}")
+            raise DataError(f"{where}: {self.path} has no columns (no HDF5 dataset at its root); {IMPORT_HINT}")
 
         self.columns: list[str] = columns
         self._ds: dict[str, h5py.Dataset] = {}
@@ -97,19 +97,19 @@ class Dataset:
         for col in columns:
             ds = f[col]
             if ds.ndim == 0:
-                raise DataError(f"{where}: column {col!r} is a scalar, not a column of rows; {_IMPORT_HINT}")
+                raise DataError(f"{where}: column {col!r} is a scalar, not a column of rows; {IMPORT_HINT}")
             is_string = h5py.check_string_dtype(ds.dtype) is not None
             if not is_string and ds.dtype.kind not in "biufc":
                 raise DataError(
                     f"{where}: column {col!r} has dtype {ds.dtype}, which cannot become a tensor;"
-                    f" {_IMPORT_HINT}"
+                    f" {IMPORT_HINT}"
                 )
             n = int(ds.shape[0])
             if rows is None:
                 rows = n
             elif n != rows:
                 raise DataError(
-                    f"{where}: column {col!r} has {n} rows but {columns[0]!r} has {rows}; {_IMPORT_HINT}"
+                    f"{where}: column {col!r} has {n} rows but {columns[0]!r} has {rows}; {IMPORT_HINT}"
                 )
             self._ds[col] = ds
             self._is_string[col] = is_string

@@ -16,7 +16,8 @@ RESERVED_ATTRS = ("revision", "gwenlake_format", "columns")
 #: Dtype token of string columns in :attr:`Dataset.schema` and in the revision hash.
 STRING_DTYPE = "str"
 
-_IMPORT_HINT = "rewrite it with `python -m gwenlake_hpc data import`"
+#: What a message about a malformed dataset file suggests.
+IMPORT_HINT = "rewrite it with `python -m gwenlake_hpc data import`"
 
 
 def _check_column_name(col: Any) -> str:
@@ -28,7 +29,7 @@ def _check_column_name(col: Any) -> str:
     return col
 
 
-def _normalize_strings(col: str, arr: np.ndarray) -> np.ndarray:
+def normalize_strings(col: str, arr: np.ndarray) -> np.ndarray:
     """Object array of ``str`` with the shape of ``arr``; bytes are decoded as UTF-8."""
     out = np.empty(arr.shape, dtype=object)
     flat_in, flat_out = arr.reshape(-1), out.reshape(-1)
@@ -64,15 +65,20 @@ def _normalize_column(col: str, value: Any) -> np.ndarray:
         # Little-endian on disk so the revision does not depend on the writer's byte order.
         return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
     if kind in "USO":
-        return _normalize_strings(col, arr)
+        return normalize_strings(col, arr)
     raise DataError(
         f"column {col!r} has dtype {arr.dtype}, which datasets do not store; convert it to a"
         " number (e.g. int64 epoch seconds for datetimes) or to str"
     )
 
 
-def _normalize_columns(columns: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], int]:
-    """Validate and normalize columns; return ``(columns, rows)``."""
+def normalize_columns(columns: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], int]:
+    """Validate and normalize columns (name -> array-like, one row per element of the first axis) for a
+    write: numeric columns as numpy arrays, strings as object arrays of ``str``; returns ``(columns, rows)``.
+
+    Raises:
+        DataError: no column, a bad column name or dtype, or columns of different lengths.
+    """
     if not isinstance(columns, Mapping) or not columns:
         raise DataError("a dataset needs at least one column: pass a mapping column name -> array")
     out = {_check_column_name(c): _normalize_column(c, v) for c, v in columns.items()}

@@ -9,7 +9,7 @@ from gwenlake_hpc.errors import DataError
 from gwenlake_hpc.names import split_name
 
 
-def _split_name(name: str) -> tuple[str, str]:
+def dataset_name_parts(name: str) -> tuple[str, str]:
     """Return ``(group, name)`` of a dataset name; raise :class:`DataError` if malformed."""
     parts = split_name(name)
     if parts is None:
@@ -26,5 +26,5 @@ def dataset_path(data_root: str | os.PathLike[str], name: str) -> Path:
     The file need not exist. Raises :class:`DataError` if ``name`` is not of the form
     ``group.name`` (no slashes, no ``..``, no empty part, exactly one dot).
     """
-    group, short = _split_name(name)
+    group, short = dataset_name_parts(name)
     return Path(data_root).expanduser() / group / f"{short}.h5"

@@ -11,7 +11,7 @@ import numpy as np
 
 from gwenlake_hpc.errors import DataError
 
-from .format import STRING_DTYPE, _normalize_columns
+from .format import STRING_DTYPE, normalize_columns
 
 # Rows per h5py read when hashing a file (a file that lacks its revision attribute, or a streamed write).
 _HASH_CHUNK_ROWS = 65536
@@ -58,7 +58,7 @@ def content_revision(columns: Mapping[str, np.ndarray]) -> str:
 
     Raises :class:`DataError` for ragged columns, unsupported dtypes or non-string objects.
     """
-    norm, _ = _normalize_columns(columns)
+    norm, _ = normalize_columns(columns)
     h = _new_hash()
     for col, arr in norm.items():
         is_string = arr.dtype.kind == "O"

@@ -17,8 +17,8 @@ import numpy as np
 
 from gwenlake_hpc.errors import DataError
 
-from .format import _normalize_strings
-from .names import _split_name
+from .format import normalize_strings
+from .names import dataset_name_parts
 from .write import DatasetWriter
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def _series_to_array(col: str, series: Any, target: np.dtype | None) -> np.ndarr
         values = series.to_numpy(dtype=object)
         # Empty CSV cells in text columns are common; an empty string is the usual reading.
         values[pd.isna(values)] = ""
-        return _normalize_strings(col, values)
+        return normalize_strings(col, values)
     if series.isna().any():
         return series.to_numpy(dtype=target, na_value=np.nan)
     return series.to_numpy(dtype=target)
@@ -129,7 +129,7 @@ def import_table(
     import pandas as pd
 
     src = Path(source).expanduser()
-    _split_name(name)  # Fail on a bad name before reading a large file.
+    dataset_name_parts(name)  # Fail on a bad name before reading a large file.
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer)) or chunk_rows < 1:
         raise DataError(f"cannot import {src}: chunk_rows must be an integer >= 1, got {chunk_rows!r}")
     if not src.is_file():

@@ -18,7 +18,7 @@ import numpy as np
 from gwenlake_hpc.errors import DataError
 from gwenlake_hpc.fsutil import fsync_dir, mkstemp
 
-from .format import FORMAT_VERSION, RESERVED_ATTRS, STRING_DTYPE, _normalize_columns
+from .format import FORMAT_VERSION, RESERVED_ATTRS, STRING_DTYPE, normalize_columns
 from .names import dataset_path
 from .revision import content_revision, stored_revision
 
@@ -47,7 +47,7 @@ def write_dataset(
     its row count), unsupported dtypes, non-string objects or bad attributes.
     """
     path = dataset_path(data_root, name)
-    norm, _ = _normalize_columns(columns)
+    norm, _ = normalize_columns(columns)
     for col, arr in norm.items():
         _warn_nonfinite(name, col, _count_nonfinite(arr), len(arr))
     user_attrs = _check_attrs(name, attrs)
@@ -122,7 +122,7 @@ class DatasetWriter:
         """Append the rows of ``columns`` (``{column: array [n, ...]}``, ``n`` may be 0)."""
         if self._file is None:
             raise DataError(f"dataset {self.name}: the writer is closed; open a new one with Catalog.writer")
-        norm, n = _normalize_columns(columns)
+        norm, n = normalize_columns(columns)
         schema = {c: (STRING_DTYPE if a.dtype.kind == "O" else a.dtype.str, tuple(a.shape[1:])) for c, a in norm.items()}
         if self._schema is None:
             self._create(norm, schema)

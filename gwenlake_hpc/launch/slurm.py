@@ -217,8 +217,12 @@ class Submission:
 BOOT_PYTHON = f"{shlex.quote(sys.executable)} -m gwenlake_hpc.launch.boot"
 
 
-def _executor(folder: Path, params: Mapping[str, Any], setup: list[str], teardown: list[str],
-              python: str = BOOT_PYTHON, srun_args: list[str] | None = None):
+def make_executor(folder: Path, params: Mapping[str, Any], setup: list[str], teardown: list[str],
+                  python: str = BOOT_PYTHON, srun_args: list[str] | None = None):
+    """A submitit ``SlurmExecutor`` writing its scripts and logs under ``folder`` (``%j``: the job id), with
+    the sbatch ``params`` of :func:`sbatch_parameters`, our ``setup``/``teardown`` lines, the step's
+    ``python`` command and ``srun_args``. submitit's own timeout requeue is off (``max_num_timeout=0``): the
+    teardown decides (:mod:`gwenlake_hpc.launch.requeue`)."""
     import submitit
 
     ex = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=0, python=python)
@@ -245,7 +249,7 @@ def container_step(lc: Any, job_cfg: Mapping[str, Any], folder: Path, write: boo
                    write=write, more_paths=more)
 
 
-def _step_parts(lc: Any, step: Any, secrets: Path | None) -> tuple[str, list[str], list[str], list[str]]:
+def step_parts(lc: Any, step: Any, secrets: Path | None) -> tuple[str, list[str], list[str], list[str]]:
     """(interpreter command, setup lines, teardown lines, srun options) with or without a container."""
     setup = setup_lines(lc, secrets)
     if step is None:
@@ -263,7 +267,7 @@ def render_script(cfg: DictConfig, run_dir: Path, tracking_uri: str | None = Non
     params = sbatch_parameters(lc, job_name=_job_name(cfg, run_dir))
     secrets = folder / "secrets.env" if lc.get("secrets") else None
     step = container_step(lc, job_container(cfg, tracking_uri), folder, write=False)
-    python, setup, teardown, srun_args = _step_parts(lc, step, secrets)
+    python, setup, teardown, srun_args = step_parts(lc, step, secrets)
     command = f"{python} -u -m submitit.core._submit {shlex.quote(str(folder / '%j'))}"
     return render_sbatch(command, folder / "%j", params, setup=setup, teardown=teardown, srun_args=srun_args)
 
@@ -300,8 +304,8 @@ def submit(cfg: DictConfig) -> Submission | None:
     container_step(lc, container, folder, write=False)  # refuse a bad container before writing anything
     folder.mkdir(parents=True, exist_ok=True)
     secrets = write_secrets(lc, folder)
-    python, setup, teardown, srun_args = _step_parts(lc, container_step(lc, container, folder, write=True), secrets)
-    ex = _executor(folder / "%j", params, setup, teardown, python=python, srun_args=srun_args)
+    python, setup, teardown, srun_args = step_parts(lc, container_step(lc, container, folder, write=True), secrets)
+    ex = make_executor(folder / "%j", params, setup, teardown, python=python, srun_args=srun_args)
     try:
         job = ex.submit(SlurmEntry(container))
     except Exception as exc:  # submitit raises on sbatch errors with sbatch's message

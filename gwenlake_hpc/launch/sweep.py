@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from ..errors import ConfigError, GwenlakeError
 from . import status as slurm_status
-from .slurm import (SlurmEntry, Submission, _executor, _step_parts, check_secrets, container_step, job_container,
+from .slurm import (SlurmEntry, Submission, make_executor, step_parts, check_secrets, container_step, job_container,
                     record_job, sbatch_parameters, with_declared, write_secrets)
 
 log = logging.getLogger("gwenlake_hpc.launch.sweep")
@@ -66,8 +66,8 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
     folder.mkdir(parents=True, exist_ok=True)
     secrets = write_secrets(lc, folder)
     step = container_step(lc, containers[0], folder, write=True, others=containers[1:])  # one image, one bundle
-    python, setup, teardown, srun_args = _step_parts(lc, step, secrets)
-    ex = _executor(folder / "%j", params, setup, teardown, python=python, srun_args=srun_args)
+    python, setup, teardown, srun_args = step_parts(lc, step, secrets)
+    ex = make_executor(folder / "%j", params, setup, teardown, python=python, srun_args=srun_args)
     try:
         with ex.batch():
             jobs = [ex.submit(SlurmEntry(c)) for c in containers]
