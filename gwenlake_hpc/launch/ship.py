@@ -12,7 +12,6 @@ import hashlib
 import logging
 import re
 import shlex
-import subprocess
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, GwenlakeError
+from ..versioning.gitcmd import run_git
 from .ssh import SshConnection
 
 log = logging.getLogger("gwenlake_hpc.launch.remote")
@@ -27,11 +27,11 @@ log = logging.getLogger("gwenlake_hpc.launch.remote")
 
 # --- the workstation's code --------------------------------------------------------------------------------------
 
-def _git(cwd: Path, *args: str, binary: bool = False) -> Any:
-    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, timeout=120)
-    if proc.returncode != 0:
-        raise GwenlakeError(f"git {' '.join(args)} in {cwd} failed: {proc.stderr.decode(errors='replace').strip()}")
-    return proc.stdout if binary else proc.stdout.decode().strip()
+def _git(cwd: Path, command: str, *args: str, binary: bool = False) -> Any:
+    """``git <command> <args>`` in ``cwd`` through the package's one git runner; stdout (bytes with ``binary``).
+    Raises GwenlakeError with git's stderr on a non-zero exit."""
+    _, out, _ = run_git(cwd, {}, command.replace("-", "_"), *args)
+    return out if binary else out.decode().strip()
 
 
 @dataclass
@@ -152,8 +152,7 @@ def send_commit(conn: SshConnection, code: LocalCode, remote_dir: str, have: boo
         conn.run(["git", "-C", remote_dir, "update-ref", ref, sha])
         return
     known = [s for s in remote_refs
-             if subprocess.run(["git", "cat-file", "-e", f"{s}^{{commit}}"], cwd=code.root,
-                               capture_output=True).returncode == 0]
+             if run_git(code.root, {}, "cat_file", "-e", f"{s}^{{commit}}", ok=(0, 1, 128))[0] == 0]
     with tempfile.TemporaryDirectory(prefix="gwenlake-bundle-") as tmp:
         bundle = Path(tmp) / f"{sha}.bundle"
         _git(code.root, "bundle", "create", "-q", str(bundle), "HEAD", *([f"^{s}" for s in known]))
