@@ -26,9 +26,9 @@ from .distributed import Dist
 from .distributed import setup as setup_distributed
 from .distributed import teardown as teardown_distributed
 from .errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, NonFiniteError
-from .finish import JobResult, Start, finish, finite_json  # noqa: F401 - JobResult, finite_json re-exported
+from .finish import JobResult, Start, finish
 from .fsutil import read_json, write_json_atomic
-from .plan import JobPlan, PlanCache, load_target, make_run_key, open_inputs, plan  # noqa: F401 - re-exported
+from .plan import JobPlan, open_inputs, plan
 from .run_environment import check_same_image, container_start
 from .signals import StopRequest, shield_children
 from .tracking import NullTracker, Tracker, flatten, is_sqlite, state_dir_for, user_mlflow

@@ -111,7 +111,7 @@ def test_server_down_for_the_whole_run_then_sync_registers_the_version(project, 
     log = done.stdout + done.stderr
     version = done.stdout.strip().splitlines()[-1].split()[-1]
     run_dir = next((project.root / "runs" / "t.model").iterdir())
-    assert f"is committed but not registered in the MLflow Model Registry" in log, log
+    assert "is committed but not registered in the MLflow Model Registry" in log, log
     assert f"python -m gwenlake_hpc tracking sync {run_dir}" in log
     lineage = __import__("json").loads(project.git("show", f"{version}:t/model/lineage.json"))
     assert lineage["tracking"]["run_id"] is None and lineage["tracking"]["state_dir"] == str(run_dir / "tracking")

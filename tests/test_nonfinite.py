@@ -11,7 +11,7 @@ import pytest
 
 from gwenlake_hpc.data import write_dataset
 from gwenlake_hpc.errors import NonFiniteError
-from gwenlake_hpc.job import finite_json
+from gwenlake_hpc.finish import finite_json
 from gwenlake_hpc.run import Run
 from gwenlake_hpc.signals import StopRequest
 from gwenlake_hpc.tracking import NullTracker

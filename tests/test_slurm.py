@@ -377,7 +377,7 @@ def test_lost_node_requeues_and_resumes_from_newest_checkpoint(project):
 HANDLE_SCRIPT = r'''
 import json, sys
 from gwenlake_hpc import GwenlakeError
-from gwenlake_hpc.job import load_target
+from gwenlake_hpc.plan import load_target
 
 fit = load_target("trainer.py:fit")
 out = {}

@@ -6,13 +6,11 @@ The server (tests/mlflow_server.py) is started once for the module; the outage t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import socket
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest

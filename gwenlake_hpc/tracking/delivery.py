@@ -39,8 +39,7 @@ from ..errors import ConfigError
 from .session import MAX_METRICS_PER_BATCH, RunSession, http_settings
 from .spool import Entry, Point, SpoolReader, segment_paths, try_lock
 from .sqlite import BrokenStoreError
-from .state import (DELIVER_LOCK, PENDING_STATUS_FILE, PENDING_TAGS_FILE, TRACKING_JSON, read_json_dict,
-                    read_pending_status, read_run_id)
+from .state import DELIVER_LOCK, PENDING_STATUS_FILE, TRACKING_JSON, read_run_id
 from .uri import redact_uri, scrub, validate_uri
 
 logger = logging.getLogger("gwenlake_hpc.tracking")

@@ -27,7 +27,7 @@ import re
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Union
 
 from ..fsutil import fsync_dir
 
