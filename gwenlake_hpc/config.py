@@ -188,6 +188,15 @@ class ContainerConfig:
         if self.runtime is not None:
             rules.choice("launcher.container.runtime", self.runtime, CONTAINER_RUNTIMES,
                          "or null to choose from the image")
+        if not str(self.python).strip() or any(c.isspace() or ord(c) < 32 for c in str(self.python)):
+            raise ConfigError(f"launcher.container.python={self.python!r}: give one interpreter path or name, "
+                              "e.g. python3")
+        for name, value in self.env.items():
+            rules.env_name(f"launcher.container.env.{name}", name)
+            if any(ord(c) < 32 for c in str(value)):
+                raise ConfigError(f"launcher.container.env.{name}: give a single-line value")
+        for bind in self.binds:
+            rules.single_line("launcher.container.binds", bind)
 
 
 @dataclass
@@ -256,6 +265,10 @@ class SlurmLauncherConfig(LauncherConfig):
             raise ConfigError(f"launcher.mem_gb={self.mem_gb}: must be positive (or null for the cluster's default)")
         for key in ("partition", "account", "qos", "gres", "constraint", "exclude"):
             rules.single_line(f"launcher.{key}", getattr(self, key), "sbatch options")
+        for name in self.env:
+            rules.env_name(f"launcher.env.{name}", name)
+        for name in self.secrets:
+            rules.env_name("launcher.secrets", name)
         for k, v in self.additional_parameters.items():
             if not re.fullmatch(r"[a-z][a-z0-9_-]*", str(k)):
                 raise ConfigError(f"launcher.additional_parameters: {k!r} is not an sbatch option name "
@@ -346,12 +359,7 @@ def typed(cfg: Any) -> GwenlakeConfig:
                 name = str(sub.get("name", "local"))
                 rules.choice("launcher.name", name, LAUNCHERS, "local: in this process; slurm: submitted")
                 schema = SlurmLauncherConfig if name == "slurm" else LauncherConfig
-            try:
-                parts[key] = _node_object(sub, schema, key)
-            except ConfigError as exc:
-                if key == "cluster" and str(exc).startswith("launcher."):  # cluster.launcher's own rules
-                    raise ConfigError(f"cluster.{exc}") from None
-                raise
+            parts[key] = typed_cluster(sub) if key == "cluster" else _node_object(sub, schema, key)
     return GwenlakeConfig(**parts)
 
 
@@ -364,6 +372,26 @@ def _node_object(sub: Any, schema: type, key: str) -> Any:
         if not (isinstance(typed_as, type) and issubclass(typed_as, schema)):
             sub = OmegaConf.merge(OmegaConf.structured(schema), sub)
         return OmegaConf.to_object(sub)
+
+
+def typed_cluster(cc: Any) -> ClusterConfig:
+    """The ``cluster`` node (``cluster=NAME``: a DictConfig, or a mapping) as a :class:`ClusterConfig`, with its
+    ``launcher`` a :class:`SlurmLauncherConfig`, their checks run.
+
+    Raises:
+        ConfigError: as :func:`typed`; a rule of ``cluster.launcher`` names ``cluster.launcher.KEY``.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cc, ClusterConfig):
+        return cc
+    node = cc if isinstance(cc, DictConfig) else OmegaConf.create(dict(cc))
+    try:
+        return _node_object(node, ClusterConfig, "cluster")
+    except ConfigError as exc:
+        if str(exc).startswith("launcher."):
+            raise ConfigError(f"cluster.{exc}") from None
+        raise
 
 
 def typed_launcher(lc: Any) -> SlurmLauncherConfig:

@@ -16,6 +16,7 @@ from .errors import ConfigError
 #: Largest whole-number setting accepted (steps, epochs): far beyond any training, still exact in a float64.
 MAX_COUNT = 2**62
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def whole_number(key: str, value: Any, minimum: int = 1, why: str = "") -> None:
@@ -78,3 +79,14 @@ def single_line(key: str, value: Any, where: str = "") -> None:
     """
     if isinstance(value, str) and _CONTROL_RE.search(value):
         raise ConfigError(f"{key}={value!r}: control characters (newlines) are not allowed{' in ' + where if where else ''}")
+
+
+def env_name(key: str, name: Any) -> None:
+    """Refuse an environment variable name a shell cannot ``export`` (letters, digits, ``_``; no leading digit).
+
+    Raises:
+        ConfigError: naming the key (``launcher.env.NAME``, ``launcher.secrets``).
+    """
+    if not _ENV_NAME_RE.fullmatch(str(name)):
+        raise ConfigError(f"{key}: {str(name)!r} is not a valid environment variable name (letters, digits, _; "
+                          "not starting with a digit)")

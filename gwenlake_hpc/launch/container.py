@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shlex
 import shutil
 import time
@@ -28,14 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from ..config import CONTAINER_RUNTIMES, ContainerConfig
+from .. import rules
+from ..config import ContainerConfig, typed_launcher
 from ..errors import ConfigError
 from ..run_environment import (ENV_DIGEST, ENV_HOST_MNT_NS, ENV_IMAGE, ENV_PIN, ENV_RUNTIME,
                                ENV_RUNTIME_VERSION)
 
 log = logging.getLogger("gwenlake_hpc.launch.container")
 
-RUNTIMES = CONTAINER_RUNTIMES
 #: Image references a runtime pulls itself (no file to check or hash on the host).
 REMOTE_SCHEMES = ("docker://", "oras://", "library://", "shub://", "http://", "https://")
 #: The NVIDIA container toolkit's OCI hook (``gpu`` with ``runtime=oci``).
@@ -84,17 +83,12 @@ def is_remote_ref(image: str) -> bool:
     return image.startswith(REMOTE_SCHEMES)
 
 
-def runtime_of(cc: Any, image_is_bundle: bool) -> str:
-    """``launcher.container.runtime``, or the one the image implies: ``oci`` for a bundle, else ``apptainer``.
-
-    Raises:
-        ConfigError: an unknown runtime.
-    """
-    runtime = cc.get("runtime")
-    if runtime is None:
+def runtime_of(cc: ContainerConfig, image_is_bundle: bool) -> str:
+    """``launcher.container.runtime`` (checked by :class:`ContainerConfig`'s rules), or the one the image
+    implies: ``oci`` for a bundle, else ``apptainer``."""
+    if cc.runtime is None:
         return "oci" if image_is_bundle else "apptainer"
-    ContainerConfig(runtime=runtime)  # its rule: one of RUNTIMES
-    return str(runtime)
+    return str(cc.runtime)
 
 
 def parse_bind(text: str, cwd: Path) -> tuple[str, str, str]:
@@ -105,8 +99,7 @@ def parse_bind(text: str, cwd: Path) -> tuple[str, str, str]:
         ConfigError: an empty or relative destination, a mode other than ro/rw, a ``,`` in a path (Apptainer's
             separator), a source that does not exist.
     """
-    if any(ord(c) < 32 or ord(c) == 127 for c in str(text)):
-        raise ConfigError(f"launcher.container.binds: {text!r}: control characters (newlines) are not allowed")
+    rules.single_line("launcher.container.binds", str(text))
     parts = str(text).split(":")
     if not parts[0] or len(parts) > 3:
         raise ConfigError(f"launcher.container.binds: {text!r}: give SRC, SRC:DST or SRC:DST:ro|rw")
@@ -355,8 +348,8 @@ def prepare(lc: Any, paths: Mapping[str, Any], folder: Path, cwd: Path, target: 
         ConfigError: unknown runtime, missing image or bundle, runtime not installed here, no ``oci.conf``,
             bad binds or environment names, each naming the setting and the fix.
     """
-    cc = lc.get("container") or {}
-    image = cc.get("image")
+    cc = typed_launcher(lc).container  # a ContainerConfig: runtime, python, env and binds checked by its rules
+    image = cc.image
     if not image:
         return None
     image = str(image)
@@ -383,18 +376,10 @@ def prepare(lc: Any, paths: Mapping[str, Any], folder: Path, cwd: Path, target: 
         raise ConfigError(f"launcher.container.runtime={runtime}: `{runtime}` is not installed on this host (not "
                           "in PATH); load it in launcher.setup is not enough here: install it, or choose the runtime "
                           "the cluster has (apptainer, singularity, or oci for SLURM's --container)")
-    python = str(cc.get("python") or "python3")
-    if not python.strip() or any(c.isspace() or ord(c) < 32 for c in python):
-        raise ConfigError(f"launcher.container.python={python!r}: give one interpreter path or name, e.g. python3")
-    env = dict(cc.get("env") or {})
-    for name, value in env.items():
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)):
-            raise ConfigError(f"launcher.container.env.{name}: not a valid environment variable name")
-        if any(ord(c) < 32 for c in str(value)):
-            raise ConfigError(f"launcher.container.env.{name}: give a single-line value")
-    gpu = cc.get("gpu")
-    gpu = gpus_requested if gpu is None else bool(gpu)
-    binds = job_binds(paths, folder, cwd, target, cc.get("binds") or [], more_paths)
+    python = str(cc.python)
+    env = dict(cc.env)
+    gpu = gpus_requested if cc.gpu is None else bool(cc.gpu)
+    binds = job_binds(paths, folder, cwd, target, cc.binds, more_paths)
     setup = [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()]
     record = str(image_path) if local else image
     if runtime == "oci":
@@ -402,7 +387,7 @@ def prepare(lc: Any, paths: Mapping[str, Any], folder: Path, cwd: Path, target: 
         if gpu and hook is None:
             msg = (f"launcher.container.gpu: {NVIDIA_HOOK} (the NVIDIA container toolkit) is not installed here, "
                    "so the OCI container would not see the GPUs")
-            if cc.get("gpu") is True:
+            if cc.gpu is True:
                 raise ConfigError(msg + ": install the toolkit on the nodes, or set launcher.container.gpu=false")
             log.warning("%s; set launcher.container.gpu=false to silence this", msg)
         spec, rootfs = _bundle_root(image_path)  # type: ignore[arg-type]
@@ -411,7 +396,7 @@ def prepare(lc: Any, paths: Mapping[str, Any], folder: Path, cwd: Path, target: 
         else:  # a dry run writes nothing: the folder's name and the entries are what a submission would make
             bundle, entries = folder / "oci-bundle-<submission>", sorted(e.name for e in os.scandir(rootfs))
         # the spec that runs (written at submission) and the image's files that the container sees (live binds)
-        setup += identity_lines(runtime, record, folder, bool(cc.get("pin")), rootfs=rootfs,
+        setup += identity_lines(runtime, record, folder, cc.pin, rootfs=rootfs,
                                 spec_file=bundle / "config.json", entries=entries)
         setup.insert(0, f"# launcher.container: {runtime} {record} as {bundle}; binds "
                         + ", ".join(f"{s}:{d}:{m}" for s, d, m in binds))
@@ -423,7 +408,7 @@ def prepare(lc: Any, paths: Mapping[str, Any], folder: Path, cwd: Path, target: 
             words += ["--bind", ",".join(f"{s}:{d}:{m}" for s, d, m in binds)]
         command = [*words, record, python]
         rootfs = image_path if (image_path and image_path.is_dir()) else None  # a sandbox directory
-        setup += identity_lines(runtime, record, folder, bool(cc.get("pin")), rootfs=rootfs)
+        setup += identity_lines(runtime, record, folder, cc.pin, rootfs=rootfs)
         srun_args = []
     teardown = folder / "gwenlake-requeue.py"
     if write:

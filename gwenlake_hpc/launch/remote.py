@@ -38,6 +38,7 @@ from typing import Any, Mapping, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..config import typed_cluster, typed_launcher
 from ..errors import EXIT_USAGE, ConfigError, GwenlakeError
 from ..resources import Resources
 from ..rules import has_control
@@ -170,7 +171,7 @@ def render_remote_script(lc: Any, cc: Any, job_name: str, worktree: str, run_dir
     interpreter = list(container["command"]) if container else [str(cc.python)]
     forwarded = ["launcher.progress=lines", f"launcher.progress_every_s={float(lc.progress_every_s)}", *overrides]
     command = " ".join(shlex.quote(w) for w in [*interpreter, "-u", "-m", "gwenlake_hpc", *forwarded])
-    setup = [f"cd {shlex.quote(worktree)}", *[str(s) for s in cc.get("setup") or []]]
+    setup = [f"cd {shlex.quote(worktree)}", *[str(line) for line in cc.setup]]
     setup += setup_lines(lc, Path(secrets_file) if secrets_file else None)  # type: ignore[arg-type]
     if patch_file:  # the uncommitted diff applied in the worktree (cluster.allow_dirty), for the lineage
         setup.append(f"export GWENLAKE_CODE_PATCH={shlex.quote(patch_file)}")
@@ -180,7 +181,7 @@ def render_remote_script(lc: Any, cc: Any, job_name: str, worktree: str, run_dir
     if container:
         setup += list(container["setup"])
         srun_args = list(container["srun_args"])
-        teardown = ContainerStep(**container).teardown(max_retries(lc), int(lc.signal_delay_s))
+        teardown = ContainerStep(**container).teardown(max_retries(lc), typed_launcher(lc).signal_delay_s)
     return render_sbatch(command, f"{run_dir}/slurm", params, setup=setup, teardown=teardown, srun_args=srun_args)
 
 
@@ -212,16 +213,16 @@ def submit_remote(cfg: DictConfig, cluster_name: str, task_overrides: Sequence[s
         GwenlakeError: git, sbatch or a transfer failed (their messages are included).
     """
     cwd = Path(cwd or Path.cwd())
-    cc = cfg.cluster
     for key in ("host", "remote_dir"):
-        if OmegaConf.is_missing(cc, key) or not cc.get(key):
+        if OmegaConf.is_missing(cfg.cluster, key) or not cfg.cluster.get(key):
             raise ConfigError(f"cluster.{key} is not set in conf/cluster/{cluster_name}.yaml")
+    cc = typed_cluster(cfg.cluster)  # a ClusterConfig, its rules checked
     target = SshTarget.from_config(cc, cluster_name)
     lc = effective_launcher(cfg, task_overrides)
     check_secrets(lc)
     sbatch_parameters(lc, job_name="check")  # refuse bad launcher values before any transfer
     overrides = job_overrides(task_overrides)
-    code = local_code(cwd, bool(cc.get("allow_dirty")))
+    code = local_code(cwd, cc.allow_dirty)
     for path in code.untracked[:20]:
         log.warning("untracked file %s is not sent to the cluster (add and commit it if the job needs it)", path)
     if code.patch:
@@ -235,11 +236,12 @@ def submit_remote(cfg: DictConfig, cluster_name: str, task_overrides: Sequence[s
         paths = cfg.paths
         path_ovs = [f"paths.data_root={_remote_path(remote_dir, str(paths.data_root))}",
                     f"paths.runs_root={_remote_path(remote_dir, str(paths.runs_root))}"]
-        if paths.get("model_repo"):
+        if paths.model_repo:
             path_ovs.append(f"paths.model_repo={_remote_path(remote_dir, str(paths.model_repo))}")
         job_ovs = [*overrides, *path_ovs]
-        ctr = {"container": OmegaConf.to_container(lc.container, resolve=True) if lc.get("container") else {},
-               "gpus_per_node": lc.get("gpus_per_node"), "gres": lc.get("gres"), "write": not lc.dry_run}
+        s = typed_launcher(lc)
+        ctr = {"container": dataclasses.asdict(s.container), "gpus_per_node": s.gpus_per_node, "gres": s.gres,
+               "write": not s.dry_run}
         facts = remote_plan(conn, cc, worktree, job_ovs, ctr)
         if facts.get("resources"):  # @train(cpu=, memory=, gpu=, env=, secrets=...) under launcher.*
             lc = with_declared(lc, Resources.from_dict(facts["resources"]))
@@ -251,9 +253,10 @@ def submit_remote(cfg: DictConfig, cluster_name: str, task_overrides: Sequence[s
                         "filesystem; use an MLflow server (tracking.uri=http://host:5000)", facts["tracking_uri"])
         job_name = f"gwenlake:{facts['model']}:{facts['run_key']}"
         patch_file = f"{remote_dir}/.gwenlake/patches/{digest}.diff" if digest else None
-        if lc.dry_run:
+        s = typed_launcher(lc)  # with what @train declared
+        if s.dry_run:
             print(render_remote_script(lc, cc, job_name, worktree, run_dir, job_ovs,
-                                       f"{remote_dir}/.gwenlake/secrets/<random>.env" if lc.secrets else None,
+                                       f"{remote_dir}/.gwenlake/secrets/<random>.env" if s.secrets else None,
                                        patch_file, facts.get("container")))
             return None
         secrets_file = _write_remote_secrets(conn, lc, remote_dir)

@@ -76,8 +76,9 @@ def local_code(cwd: Path, allow_dirty: bool) -> LocalCode:
 # --- the cluster side ---------------------------------------------------------------------------------------------
 
 def setup_script(cc: Any) -> str:
-    """``cluster.setup`` as script lines (each ends with a newline)."""
-    return "".join(f"{line}\n" for line in (cc.get("setup") or []))
+    """``cluster.setup`` (of a :class:`gwenlake_hpc.config.ClusterConfig`) as script lines, each ending with a
+    newline."""
+    return "".join(f"{line}\n" for line in cc.setup)
 
 
 def check_remote(conn: SshConnection, cc: Any, commit: str) -> tuple[str, bool, list[str]]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -28,7 +27,6 @@ from .records import record_job
 
 log = logging.getLogger("gwenlake_hpc.launch.slurm")
 
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class SlurmEntry:
@@ -87,9 +85,8 @@ def max_retries(lc: Any) -> int:
     Raises:
         ConfigError: a negative or non-integer value (:func:`gwenlake_hpc.rules.whole_number`).
     """
-    value = lc.get("max_retries")
-    rules.whole_number("launcher.max_retries", value, 0)
-    return DEFAULT_MAX_RETRIES if value is None else int(value)
+    value = typed_launcher(lc).max_retries
+    return DEFAULT_MAX_RETRIES if value is None else value
 
 
 def with_declared(lc: Any, res: Any) -> Any:
@@ -148,12 +145,10 @@ def setup_lines(lc: Any, secrets_file: Path | None) -> list[str]:
     # The batch shell and srun ignore SIGTERM: on preemption or scancel SLURM signals every step, and srun
     # answers SIGTERM by SIGKILLing its tasks at once, which would cut the training's last checkpoint short.
     # The training itself (started by slurmstepd, not by this shell) still gets SIGTERM and stops cleanly.
+    s = typed_launcher(lc)  # env names checked by its rules
     lines = ["trap '' TERM"]
-    lines += [str(s) for s in lc.get("setup") or []]
-    for name, value in (lc.get("env") or {}).items():
-        if not _NAME_RE.match(str(name)):
-            raise ConfigError(f"launcher.env.{name}: not a valid environment variable name")
-        lines.append(f"export {name}={shlex.quote(str(value))}")
+    lines += [str(line) for line in s.setup]
+    lines += [f"export {name}={shlex.quote(str(value))}" for name, value in s.env.items()]
     # One thread per process unless told otherwise: jobs share nodes' cores.
     lines.append('export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"')
     if secrets_file is not None:
@@ -162,10 +157,13 @@ def setup_lines(lc: Any, secrets_file: Path | None) -> list[str]:
 
 
 def check_secrets(lc: Any, environ: Mapping[str, str] = os.environ) -> list[str]:
-    names = [str(n) for n in lc.get("secrets") or []]
+    """The names in ``launcher.secrets``, each set in the submitting environment ``environ``.
+
+    Raises:
+        ConfigError: a name that is not a valid variable name (the launcher's rules) or that is not set.
+    """
+    names = [str(n) for n in typed_launcher(lc).secrets]
     for name in names:
-        if not _NAME_RE.match(name):
-            raise ConfigError(f"launcher.secrets: {name!r} is not a valid environment variable name")
         if name not in environ:
             raise ConfigError(f"launcher.secrets: {name} is not set in the submitting environment; export it first")
     return names
@@ -198,7 +196,7 @@ def teardown_lines(lc: Any, python: str | None = None) -> list[str]:
     py = shlex.quote(python or sys.executable)
     return ["rc=$?",
             f"{py} -m gwenlake_hpc.launch.requeue --rc \"$rc\" --max-retries {max_retries(lc)} "
-            f"--signal-delay {int(lc.signal_delay_s)}",
+            f"--signal-delay {typed_launcher(lc).signal_delay_s}",
             "exit $?"]
 
 
@@ -238,7 +236,8 @@ def container_step(lc: Any, job_cfg: Mapping[str, Any], folder: Path, write: boo
     ``others``: the other tasks' of a sweep, whose roots and targets are bound too."""
     from .container import prepare
 
-    gpus = bool(lc.get("gpus_per_node") or str(lc.get("gres") or "").startswith("gpu"))
+    s = typed_launcher(lc)
+    gpus = bool(s.gpus_per_node or str(s.gres or "").startswith("gpu"))
     more = []
     for c in others:
         more += [v for v in c["paths"].values() if v]
@@ -254,7 +253,7 @@ def step_parts(lc: Any, step: Any, secrets: Path | None) -> tuple[str, list[str]
     setup = setup_lines(lc, secrets)
     if step is None:
         return BOOT_PYTHON, setup, teardown_lines(lc), []
-    return (step.python(), setup + step.setup, step.teardown(max_retries(lc), int(lc.signal_delay_s)),
+    return (step.python(), setup + step.setup, step.teardown(max_retries(lc), typed_launcher(lc).signal_delay_s),
             list(step.srun_args))
 
 
@@ -263,9 +262,10 @@ def render_script(cfg: DictConfig, run_dir: Path, tracking_uri: str | None = Non
     from .sbatch_script import render_sbatch
 
     lc = cfg.launcher
-    folder = Path(lc.folder) if lc.get("folder") else run_dir / "slurm"
-    params = sbatch_parameters(lc, job_name=_job_name(cfg, run_dir))
-    secrets = folder / "secrets.env" if lc.get("secrets") else None
+    s = typed_launcher(lc)
+    folder = Path(s.folder) if s.folder else run_dir / "slurm"
+    params = sbatch_parameters(s, job_name=_job_name(cfg, run_dir))
+    secrets = folder / "secrets.env" if s.secrets else None
     step = container_step(lc, job_container(cfg, tracking_uri), folder, write=False)
     python, setup, teardown, srun_args = step_parts(lc, step, secrets)
     command = f"{python} -u -m submitit.core._submit {shlex.quote(str(folder / '%j'))}"
@@ -293,12 +293,13 @@ def submit(cfg: DictConfig) -> Submission | None:
     if p.tracking_uri and is_sqlite(p.tracking_uri):
         log.warning("tracking.uri is SQLite (%s): SQLite on a shared filesystem is not safe for many concurrent "
                     "jobs; use an MLflow server (tracking.uri=http://host:5000)", p.tracking_uri)
-    if lc.dry_run:
-        check_secrets(lc)
+    s = typed_launcher(lc)
+    if s.dry_run:
+        check_secrets(s)
         print(render_script(cfg, p.run_dir, p.tracking_uri))
         return None
-    folder = Path(lc.folder) if lc.get("folder") else p.run_dir / "slurm"
-    params = sbatch_parameters(lc, job_name=_job_name(cfg, p.run_dir))
+    folder = Path(s.folder) if s.folder else p.run_dir / "slurm"
+    params = sbatch_parameters(s, job_name=_job_name(cfg, p.run_dir))
     check_secrets(lc)
     container = job_container(cfg, p.tracking_uri)
     container_step(lc, container, folder, write=False)  # refuse a bad container before writing anything

@@ -93,29 +93,32 @@ class SshTarget:
         Raises:
             ConfigError: a missing or malformed field, naming ``cluster.<field>`` and the fix.
         """
-        host = str(cc.get("host") or "")
+        def get(key: str) -> Any:  # a ClusterConfig, or a mapping of its keys
+            return cc.get(key) if hasattr(cc, "get") else getattr(cc, key, None)
+
+        host = str(get("host") or "")
         if not host or has_control(host) or " " in host or host.startswith("-"):
             raise ConfigError(f"cluster.host={host!r} ({name}): give the login node's host name or address")
-        port = int(cc.get("port") or 22)
+        port = int(get("port") or 22)
         if not 0 < port < 65536:
             raise ConfigError(f"cluster.port={port} ({name}): must be between 1 and 65535")
-        user = str(cc.get("user") or getpass.getuser())
+        user = str(get("user") or getpass.getuser())
         if has_control(user) or " " in user or user.startswith("-"):
             raise ConfigError(f"cluster.user={user!r} ({name}): not a user name")
-        key_file = cc.get("key_file")
+        key_file = get("key_file")
         if key_file:
             kp = Path(str(key_file)).expanduser()
             if not kp.is_file():
                 raise ConfigError(f"cluster.key_file={key_file} ({name}): no such file; give the private key the "
                                   "cluster accepts, or remove cluster.key_file to use the SSH agent")
             key_file = str(kp.resolve())
-        known = Path(str(cc.get("known_hosts") or "~/.ssh/known_hosts")).expanduser()
-        jump = cc.get("proxy_jump") or None
+        known = Path(str(get("known_hosts") or "~/.ssh/known_hosts")).expanduser()
+        jump = get("proxy_jump") or None
         if jump is not None:
             _parse_jump(str(jump), user, name)
         return cls(name=name, host=host, port=port, user=user, key_file=key_file, known_hosts=str(known.absolute()),
                    proxy_jump=str(jump) if jump else None,
-                   connect_timeout_s=float(cc.get("connect_timeout_s") or 20.0))
+                   connect_timeout_s=float(get("connect_timeout_s") or 20.0))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for a job record (no secrets: a key file's path, never its content)."""
