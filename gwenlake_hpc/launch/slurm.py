@@ -62,9 +62,8 @@ class SlurmEntry:
         from ..job import execute
 
         cfg = OmegaConf.create(self.cfg)
-        launcher = cfg.launcher
-        cfg.launcher = OmegaConf.create({"name": "local", "progress": launcher.get("progress", "lines"),
-                                         "progress_every_s": launcher.get("progress_every_s", 30.0)})
+        s = typed_launcher(cfg.launcher)  # in the job: its loop runs here, with the progress settings it had
+        cfg.launcher = OmegaConf.create({"name": "local", "progress": s.progress, "progress_every_s": s.progress_every_s})
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
         result = execute(cfg, stop=stop)
         if result.exit_code == 0:

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig
 
+from ..config import typed_launcher
 from ..errors import ConfigError, GwenlakeError
 from . import status as slurm_status
 from .slurm import (SlurmEntry, Submission, make_executor, step_parts, check_secrets, container_step, job_container,
@@ -48,7 +49,8 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
     plans = [plan(cfg, cache) for _, cfg in configs]  # every task checked before anything is submitted
     lc = with_declared(configs[0][1].launcher, plans[0].tf.resources)  # @train(cpu=, memory=, gpu=...) under launcher.*
     runs_root = plans[0].runs_root
-    folder = Path(lc.folder) if lc.get("folder") else runs_root / ".arrays" / time.strftime("%Y%m%d-%H%M%S")
+    s = typed_launcher(lc)
+    folder = Path(s.folder) if s.folder else runs_root / ".arrays" / time.strftime("%Y%m%d-%H%M%S")
     params = sbatch_parameters(lc, job_name=f"gwenlake-sweep:{plans[0].model_name}")
     check_secrets(lc)
     containers = [job_container(cfg, p.tracking_uri, fill_model_repo=False) for (_, cfg), p in zip(configs, plans)]
@@ -81,7 +83,7 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
     array_id = tasks[0]["job_id"].split("_")[0]
     print(f"submitted job array {array_id} ({len(tasks)} tasks, one sbatch); logs in {folder}")
     print_table(tasks)
-    if lc.get("wait"):  # every task waited for (one failure does not stop the others), one poll for the array
+    if s.wait:  # every task waited for (one failure does not stop the others), one poll for the array
         for t, final in zip(tasks, slurm_status.wait_array(tasks)):
             t.update(state=final.state, restarts=final.restarts, step=final.step, metrics=_metrics(final))
         print_table(tasks)
