@@ -116,6 +116,21 @@ TRAINING = textwrap.dedent("""
 """)
 
 
+def kill_training_at_its_first_line(uri: str, state: Path, mode: str, attached: bool | None = None) -> str:
+    """Start TRAINING in ``mode``, SIGKILL it once it printed its first line (``attached=False``: check that the
+    run was not attached yet), wait for the orphaned delivery process to end; returns the stderr of both."""
+    proc = subprocess.Popen([sys.executable, "-c", TRAINING, uri, str(state), mode], env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = json.loads(proc.stdout.readline())
+    if attached is False:
+        assert not (state / "run_id").exists()
+    proc.kill()
+    _, stderr = proc.communicate(timeout=120)  # until the orphaned delivery process closes stderr too
+    # The delivery process delivers what the training had written, then exits on its own.
+    wait_for(lambda: not alive(first["child"]), 120, "the orphaned delivery process to end")
+    return stderr
+
+
 def test_the_training_process_never_imports_mlflow(tmp_path: Path) -> None:
     uri = default_uri(tmp_path)
     out = subprocess.run([sys.executable, "-c", TRAINING, uri, str(tmp_path / "tracking"), "finish"],
@@ -134,20 +149,13 @@ def test_the_training_process_never_imports_mlflow(tmp_path: Path) -> None:
 def test_a_sigkilled_training_leaves_its_points_delivered_by_the_orphaned_delivery(tmp_path: Path) -> None:
     uri = default_uri(tmp_path)
     state = tmp_path / "tracking"
-    proc = subprocess.Popen([sys.executable, "-c", TRAINING, uri, str(state), "die"], env=child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    first = json.loads(proc.stdout.readline())
-    proc.kill()
-    proc.communicate(timeout=60)
-    # The delivery process delivers what the training had written, then exits on its own.
-    wait_for(lambda: not alive(first["child"]), 120, "the orphaned delivery process to end")
+    kill_training_at_its_first_line(uri, state, "die")
     client = MlflowClient(uri)
     run_id = (state / "run_id").read_text().strip()
     steps = steps_of(client, run_id)
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 200  # no gap, no point twice
     assert client.get_run(run_id).info.status == "RUNNING"  # killed: no status
     assert segment_paths(state) == []  # all delivered, and the dead writer's segment removed
-
 
     # The next start reattaches and goes on, each step once.
     again = Tracker(uri, "exp", "r", state, flush_interval_s=0.2)
@@ -162,13 +170,7 @@ def test_a_training_killed_before_the_attach_is_not_reported_as_an_mlflow_outage
     # The delivery process's events then have no reader: that is no reason to call MLflow unreachable.
     uri = default_uri(tmp_path)
     state = tmp_path / "tracking"
-    proc = subprocess.Popen([sys.executable, "-c", TRAINING, uri, str(state), "die-early"], env=child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    first = json.loads(proc.stdout.readline())
-    assert not (state / "run_id").exists()  # not attached yet
-    proc.kill()
-    _, stderr = proc.communicate(timeout=120)  # until the orphaned delivery process closes stderr too
-    wait_for(lambda: not alive(first["child"]), 120, "the orphaned delivery process to end")
+    stderr = kill_training_at_its_first_line(uri, state, "die-early", attached=False)
     client = MlflowClient(uri)
     run_id = (state / "run_id").read_text().strip()
     assert steps_of(client, run_id) == list(range(1, 11))
