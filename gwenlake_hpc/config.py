@@ -6,6 +6,7 @@ files fill the ``job`` node (``+job=churn``).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from .errors import ConfigError
 PROGRESS_MODES = ("auto", "bar", "lines", "off")
 #: ``launcher.container.runtime`` values (null: chosen from the image).
 CONTAINER_RUNTIMES = ("apptainer", "singularity", "oci")
+#: The longest ``launcher.timeout_min`` accepted: a year (SLURM shows larger limits as INVALID).
+MAX_TIMEOUT_MIN = 365 * 24 * 60
 #: ``launcher.name`` values, and the schema each one's settings follow.
 LAUNCHERS = ("local", "slurm")
 
@@ -253,7 +256,8 @@ class SlurmLauncherConfig(LauncherConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        rules.whole_number("launcher.timeout_min", self.timeout_min)
+        rules.whole_number("launcher.timeout_min", self.timeout_min, 1, "(minutes; a year at most)",
+                           maximum=MAX_TIMEOUT_MIN + 1)
         if not isinstance(self.signal_delay_s, int) or not 1 <= self.signal_delay_s < self.timeout_min * 60:
             raise ConfigError(f"launcher.signal_delay_s={self.signal_delay_s}: must be between 1 and the time limit "
                               f"({self.timeout_min * 60} s)")
@@ -261,8 +265,10 @@ class SlurmLauncherConfig(LauncherConfig):
         for key in ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node"):
             rules.whole_number(f"launcher.{key}", getattr(self, key), 1,
                                "(or null for the cluster's default)" if key not in ("nodes", "tasks_per_node") else "")
-        if self.mem_gb is not None and not self.mem_gb > 0:
-            raise ConfigError(f"launcher.mem_gb={self.mem_gb}: must be positive (or null for the cluster's default)")
+        if self.mem_gb is not None and not (math.isfinite(self.mem_gb) and self.mem_gb * 1024 >= 1):
+            # sbatch takes whole MiB, and --mem=0 would mean all of the node's memory
+            raise ConfigError(f"launcher.mem_gb={self.mem_gb}: must be a finite number of GB, at least 1/1024 "
+                              "(1 MiB), or null for the cluster's default")
         for key in ("partition", "account", "qos", "gres", "constraint", "exclude"):
             rules.single_line(f"launcher.{key}", getattr(self, key), "sbatch options")
         for name in self.env:

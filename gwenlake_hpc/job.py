@@ -21,14 +21,14 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from .api import Input, Model, Output
-from .checkpoints import CheckpointStore, DamagedFileError
+from .checkpoints import DamagedFileError
 from .distributed import Dist
 from .distributed import setup as setup_distributed
 from .distributed import teardown as teardown_distributed
 from .errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, NonFiniteError
 from .finish import JobResult, Start, finish
 from .fsutil import read_json, write_json_atomic
-from .plan import JobPlan, open_inputs, plan
+from .plan import JobPlan, check_resume_point, finished_with, open_inputs, plan
 from .run_environment import check_same_image, container_start
 from .signals import StopRequest, shield_children
 from .tracking import NullTracker, Tracker, flatten, is_sqlite, state_dir_for, user_mlflow
@@ -167,21 +167,15 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     }
     # Tells this run directory from another one of the same run key (another runs_root): a version records it.
     info.setdefault("uid", uuid.uuid4().hex)
-    for done in reversed(info.get("completions") or ([info["completed"]] if info.get("completed") else [])):
-        if done.get("steps") == steps and done.get("epochs") == epochs and done.get("version"):
-            log.info("run %s already finished at step %s; nothing to train", run_dir, done.get("final_step"))
-            if d.is_main and tracking_on:
-                _complete_pending_registrations(state_dir_for(run_dir, tracking_uri), tracking_uri)
-            if d.is_main:
-                print(f"model {model_name} version {done['version']}", flush=True)
-            return JobResult(0, done["version"], run_dir, done.get("final_step"))
-    existing = CheckpointStore(run_dir / "checkpoints", key).complete() if (run_dir / "checkpoints").is_dir() else []
-    if p.resume == "never" and existing:
-        raise ConfigError(f"job.resume=never but {run_dir / 'checkpoints'} already holds checkpoints of this run; "
-                          "nothing is deleted: move them away or use job.resume=auto")
-    if steps is not None and existing and existing[-1].step > steps:
-        raise ConfigError(f"job.steps={steps} is below step {existing[-1].step} of this run's newest checkpoint; "
-                          f"use job.steps>={existing[-1].step}, or a new run name (job.model=...)")
+    done = finished_with(info, steps, epochs)
+    if done is not None:
+        log.info("run %s already finished at step %s; nothing to train", run_dir, done.get("final_step"))
+        if d.is_main and tracking_on:
+            _complete_pending_registrations(state_dir_for(run_dir, tracking_uri), tracking_uri)
+        if d.is_main:
+            print(f"model {model_name} version {done['version']}", flush=True)
+        return JobResult(0, done["version"], run_dir, done.get("final_step"))
+    check_resume_point(p)  # job.resume=never, job.steps below the newest checkpoint
 
     start = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), **slurm_facts()}
     if d.enabled:

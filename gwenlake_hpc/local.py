@@ -81,7 +81,8 @@ def run_local(tf: TrainFunction, config: Any = None, *, steps: int | None = None
         raise ConfigError(f"config: give a {tf.config_type.__name__} or a dict, not {type(config).__name__}")
     else:
         config_obj = config
-    seed = int(d.get("seed", 0) if seed is None else seed)
+    seed = d.get("seed", 0) if seed is None else seed
+    rules.seed("seed", seed)
 
     temporary = run_dir is None
     root = Path(tempfile.mkdtemp(prefix="gwenlake-local-")) if temporary else Path(run_dir)  # type: ignore[arg-type]

@@ -253,7 +253,7 @@ def plan(cfg: DictConfig | Mapping[str, Any], cache: PlanCache | None = None) ->
     tracking_uri = None
     if job.tracking:
         tracking_uri = validate_uri(settings.tracking.uri) if settings.tracking.uri else default_uri(runs_root)
-    repo_path = _path_setting("paths.model_repo", paths.model_repo) if paths.model_repo else None
+    repo_path = _path_setting("paths.model_repo", paths.model_repo) if paths.model_repo is not None else None
     _check_paths(runs_root, data_root, repo_path, tracking_uri)
     if tf.prepare is not None:
         tf.prepare(catalog, config_obj)
@@ -274,6 +274,40 @@ def plan(cfg: DictConfig | Mapping[str, Any], cache: PlanCache | None = None) ->
                    tracking_uri=tracking_uri, runs_root=runs_root, repo_path=repo_path,
                    datasets=datasets, dataset_facts=facts, model_versions=model_versions, key=key,
                    run_dir=runs_root / tf.output.name / key)
+
+
+def finished_with(info: Mapping[str, Any], steps: int | None, epochs: int | None) -> dict[str, Any] | None:
+    """The completion in ``run.json`` (``info``) of a training of ``steps``/``epochs`` that committed a version,
+    newest first; None when there is none (the run must train)."""
+    for done in reversed(info.get("completions") or ([info["completed"]] if info.get("completed") else [])):
+        if done.get("steps") == steps and done.get("epochs") == epochs and done.get("version"):
+            return dict(done)
+    return None
+
+
+def check_resume_point(p: JobPlan) -> None:
+    """Refuse settings the run directory's checkpoints rule out, before the job trains or is submitted.
+
+    Reads ``run.json`` and the checkpoints' manifests (nothing is written). A run that already finished with
+    these ``steps``/``epochs`` passes: the job prints its version.
+
+    Raises:
+        ConfigError: ``job.resume=never`` with checkpoints of this run, or ``job.steps`` below the newest
+            checkpoint's step (nothing is deleted; the message says what to change).
+    """
+    from .checkpoints import CheckpointStore
+    from .fsutil import read_json
+
+    if finished_with(read_json(p.run_dir / "run.json", default=None) or {}, p.steps, p.epochs) is not None:
+        return
+    folder = p.run_dir / "checkpoints"
+    existing = CheckpointStore(folder, p.key).complete() if folder.is_dir() else []
+    if p.resume == "never" and existing:
+        raise ConfigError(f"job.resume=never but {folder} already holds checkpoints of this run; nothing is "
+                          "deleted: move them away or use job.resume=auto")
+    if p.steps is not None and existing and existing[-1].step > p.steps:
+        raise ConfigError(f"job.steps={p.steps} is below step {existing[-1].step} of this run's newest checkpoint; "
+                          f"use job.steps>={existing[-1].step}, or a new run name (job.model=...)")
 
 
 def _effective(job: JobConfig, tf: TrainFunction) -> JobConfig:
@@ -320,7 +354,8 @@ def _path_setting(key: str, value: Any) -> Path:
 
 def _check_paths(runs_root: Path, data_root: Path, repo_path: Path | None, tracking_uri: str | None) -> None:
     """Refuse, before any work, folders the job could only fail on later (after hours of training, for the model
-    repository). Writes nothing but the runs root folder itself, and a probe file that is removed at once.
+    repository). Writes nothing but the runs root folder itself, and a probe file (for a model repository still
+    to be made, a probe folder beside it) that is removed at once.
 
     Raises:
         ConfigError: naming the ``paths.*`` setting and what to do.
@@ -352,12 +387,18 @@ def _check_paths(runs_root: Path, data_root: Path, repo_path: Path | None, track
                               f"({exc.strerror or exc}); point it to a writable folder, or use a tracking server "
                               "(http://host:5000)") from None
     if repo_path is not None and not repo_path.exists():
-        # Created at the commit, after the whole training: its nearest existing folder must take a new one.
+        # Created at the commit, after the whole training: its nearest existing folder must take a new one,
+        # tried for real (permission bits say nothing of /proc, a read-only mount or a full disk).
         parent = next(p for p in repo_path.parents if p.exists())
-        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            raise ConfigError(f"paths.model_repo={repo_path} cannot be created ({parent} is "
-                              f"{'not a folder' if not parent.is_dir() else 'not writable'}): point it to a git "
-                              "repository, or to a new folder in a writable place")
+        why = "not a folder" if not parent.is_dir() else ""
+        if not why:
+            try:
+                os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".gwenlake-probe-"))
+            except OSError as exc:
+                why = f"a folder cannot be made in it: {exc.strerror or exc}"
+        if why:
+            raise ConfigError(f"paths.model_repo={repo_path} cannot be created ({parent} is {why}): point it to "
+                              "a git repository, or to a new folder in a writable place")
     if repo_path is not None and repo_path.exists():
         if not repo_path.is_dir():
             raise ConfigError(f"paths.model_repo={repo_path} is a file, not a git repository: point it to a "

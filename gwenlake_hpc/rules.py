@@ -19,16 +19,21 @@ _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def whole_number(key: str, value: Any, minimum: int = 1, why: str = "") -> None:
-    """Refuse ``value`` unless it is None or an int (not a bool) from ``minimum`` to :data:`MAX_COUNT`.
+def whole_number(key: str, value: Any, minimum: int = 1, why: str = "", maximum: int = MAX_COUNT) -> None:
+    """Refuse ``value`` unless it is None or an int (not a bool) from ``minimum`` to ``maximum - 1``
+    (default: below :data:`MAX_COUNT`).
 
     Raises:
-        ConfigError: ``<key>=<value>: must be a whole number >= <minimum>`` and ``why`` when given.
+        ConfigError: ``<key>=<value>: must be a whole number >= <minimum>`` (or ``from <minimum> to <maximum - 1>``
+            for a value above the range or a bounded setting) and ``why`` when given.
     """
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < MAX_COUNT:
-        raise ConfigError(f"{key}={value!r}: must be a whole number >= {minimum}{' ' + why if why else ''}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < maximum:
+        too_large = isinstance(value, int) and value >= maximum
+        bound = f"from {minimum} to {maximum - 1}" if too_large or maximum != MAX_COUNT else f">= {minimum}"
+        said = f" {why}" if why and not (too_large and maximum == MAX_COUNT) else ""
+        raise ConfigError(f"{key}={value!r}: must be a whole number {bound}{said}")
 
 
 def positive_seconds(key: str, value: Any, allow_zero: bool = False) -> None:

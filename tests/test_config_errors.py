@@ -94,6 +94,14 @@ def trained(tmp_path_factory):
     (["+job=t", "launcher=slurm", "launcher.partition='a\nb'"], "control characters"),
     (["+job=t", "launcher=slurm", "+launcher.additional_parameters.Mail=x"], "'Mail' is not an sbatch option"),
     (["+job=t", "launcher=slurm", "launcher.container.runtime=docker"], "launcher.container.runtime='docker'"),
+    (["+job=t", "launcher=slurm", "launcher.mem_gb=inf"], "launcher.mem_gb=inf: must be a finite number"),
+    (["+job=t", "launcher=slurm", "launcher.mem_gb=1e-9"], "at least 1/1024 (1 MiB)"),  # not --mem=0: all of it
+    (["+job=t", "launcher=slurm", "launcher.timeout_min=99999999999"], "from 1 to 525600"),
+    # what the run's checkpoints rule out is refused at submission, not after hours in the queue
+    (["+job=t", "launcher=slurm", "job.steps=5"], "job.steps=5 is below step 20"),
+    (["+job=t", "launcher=slurm", "job.resume=never", "job.steps=90"], "job.resume=never"),
+    (["+job=t", "paths.model_repo=/proc/gwenlake-repo"], "a folder cannot be made in it"),  # not after training
+    (["+job=t", "paths.model_repo="], "paths.model_repo is empty"),  # as paths.runs_root=, not a silent default
     # A sweep with one bad task: its message, nothing submitted.
     (["-m", "+job=t", "launcher=slurm", "job.params.lr=0.1,fast"], "could not be converted to Float"),
     # Tracking URIs that could only fail later, slowly, as an "outage" of minutes.
@@ -161,6 +169,23 @@ def test_the_sbatch_parameters_read_the_typed_launcher():
     assert typed_launcher({"timeout_min": 10}).signal_delay_s == 120
     with pytest.raises(ConfigError, match="launcher.timeout_min=0"):
         sbatch_parameters({"timeout_min": 0}, job_name="j")
+
+
+def test_fit_local_and_fit_submit_refuse_bad_values_as_the_command_line_does(trained, monkeypatch):
+    from gwenlake_hpc.plan import load_target
+
+    monkeypatch.chdir(trained.root)
+    monkeypatch.delenv("GWENLAKE_CONF", raising=False)
+    fit = load_target(f"{trained.root / 'trainer.py'}:fit")
+    for seed in (1.5, True, -1, 2**64, "abc"):
+        with pytest.raises(ConfigError, match=f"seed={seed!r}: must be an integer from 0"):
+            fit.local(steps=3, seed=seed, data_root=trained.root / "data")
+    with pytest.raises(ConfigError, match="could not be converted to Integer"):
+        fit.submit("job.seed=1.5")  # Hydra's own refusal, as a usage error
+    with pytest.raises(ConfigError, match="fit.submit\\(\\) submits to SLURM"):
+        fit.submit("launcher.name=local")  # not a silent submission
+    with pytest.raises(ConfigError, match="launcher.mem_gb=inf"):
+        fit.submit("launcher.mem_gb=inf")
 
 
 def test_the_run_and_fit_local_apply_the_same_rules(tmp_path):

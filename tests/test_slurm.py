@@ -212,6 +212,14 @@ def test_dry_run_quotes_values_and_refuses_newlines(project, tmp_path):
     assert not (project.root / "runs" / "t.model").exists() or not list(project.root.glob("runs/t.model/*/slurm"))
 
 
+def test_a_submission_sbatch_refuses_leaves_no_run_directory_behind(project):
+    proc = project.run("+job=t", "launcher=slurm", "launcher.partition=no-such-partition")
+    assert proc.returncode == 1 and "sbatch failed" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert "invalid partition" in (proc.stdout + proc.stderr).lower()
+    assert not (project.root / "runs" / "t.model").exists()  # no empty run directory, no slurm/ folder
+    assert not (project.root / "runs" / ".gwenlake-jobs.jsonl").exists()  # nothing recorded
+
+
 def test_sweep_is_one_job_array_and_every_task_completes(project):
     proc = project.run("-m", "+job=t", "launcher=slurm", "launcher.timeout_min=5", "launcher.partition=high",
                        "job.params.lr=0.01,0.02,0.03", check=0, timeout=600)

@@ -13,6 +13,7 @@ import copy
 import logging
 import os
 import shlex
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -282,10 +283,11 @@ def submit(cfg: DictConfig) -> Submission | None:
         ConfigError: bad launcher values, missing secrets, a job config error found at planning.
         GwenlakeError: ``sbatch`` failed (its message is included).
     """
-    from ..plan import plan
+    from ..plan import check_resume_point, plan
     from ..tracking import is_sqlite
 
     p = plan(cfg)
+    check_resume_point(p)  # refused here, not after hours in the queue
     cfg = copy.deepcopy(cfg)
     cfg.launcher = with_declared(cfg.launcher, p.tf.resources)  # @train(cpu=, memory=, gpu=...) under launcher.*
     lc = cfg.launcher
@@ -302,14 +304,21 @@ def submit(cfg: DictConfig) -> Submission | None:
     check_secrets(lc)
     container = job_container(cfg, p.tracking_uri)
     container_step(lc, container, folder, write=False)  # refuse a bad container before writing anything
+    made = next((d for d in [*reversed(folder.parents), folder] if not d.exists()), None)  # the first we create
     folder.mkdir(parents=True, exist_ok=True)
-    secrets = write_secrets(lc, folder)
-    python, setup, teardown, srun_args = step_parts(lc, container_step(lc, container, folder, write=True), secrets)
-    ex = make_executor(folder / "%j", params, setup, teardown, python=python, srun_args=srun_args)
     try:
-        job = ex.submit(SlurmEntry(container))
-    except Exception as exc:  # submitit raises on sbatch errors with sbatch's message
-        raise GwenlakeError(f"sbatch failed: {exc}") from exc
+        secrets = write_secrets(lc, folder)
+        python, setup, teardown, srun_args = step_parts(lc, container_step(lc, container, folder, write=True),
+                                                        secrets)
+        ex = make_executor(folder / "%j", params, setup, teardown, python=python, srun_args=srun_args)
+        try:
+            job = ex.submit(SlurmEntry(container))
+        except Exception as exc:  # submitit raises on sbatch errors with sbatch's message
+            raise GwenlakeError(f"sbatch failed: {exc}") from exc
+    except BaseException:
+        if made is not None:  # nothing submitted: what this call created goes (a resubmission's logs stay)
+            shutil.rmtree(made, ignore_errors=True)
+        raise
     sub = Submission(job.job_id, p.run_dir, Path(job.paths.stdout), Path(job.paths.stderr), folder)
     record_job(p, sub, container["job"]["target"])
     return sub
@@ -327,10 +336,20 @@ def submit_training(target: str, overrides: Sequence[str], job: str | None = Non
     from ..config import conf_dir, register
     from .status import JobHandle
 
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     register()
     base = [f"+job={job}"] if job else [f"job.target={target}"]
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*base, "launcher=slurm", *overrides])
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=[*base, "launcher=slurm", *overrides])
+    except (HydraException, OmegaConfBaseException) as exc:  # a bad override: a usage error, as on the command line
+        said = [str(e).strip().splitlines()[0] for e in (exc, exc.__cause__) if e is not None and str(e).strip()]
+        raise ConfigError(": ".join(said) or type(exc).__name__) from None
+    if cfg.launcher.name != "slurm":
+        raise ConfigError(f"launcher.name={cfg.launcher.name}: fit.submit() submits to SLURM; drop the override "
+                          "(fit.local() runs in this process)")
     sub = submit(cfg)
     if sub is None:
         raise ConfigError("launcher.dry_run=true submits nothing; drop it to get a handle")
