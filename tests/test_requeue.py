@@ -133,3 +133,32 @@ def test_a_waited_array_is_polled_with_one_squeue_and_one_sacct(tmp_path):
     got = status.wait_array(tasks, poll_s=0.0, run=run)
     assert [s.state for s in got] == ["COMPLETED", "FAILED", "CANCELLED"]
     assert calls == ["squeue", "sacct"] * 3  # per poll: one of each for the whole array
+
+
+def test_a_job_step_started_by_boot_keeps_its_stop_handlers_when_submitit_installs_its_own(tmp_path):
+    """submitit calls JobEnvironment._handle_signals right before the job; under boot it must leave our
+    SIGUSR2/SIGTERM handlers in place (a signal in between used to end the job as "timed-out too many times")."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(textwrap.dedent("""
+        import signal, sys
+        from submitit.core import job_environment
+        from gwenlake_hpc.launch import boot
+        boot.install_early()
+        if sys.argv[1] == "keep":
+            boot.keep_our_handlers()
+        before = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
+        env = object.__new__(job_environment.JobEnvironment)  # its own __new__ wants a SLURM job
+        job_environment.JobEnvironment._handle_signals(env, None, None)
+        after = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
+        print("kept" if after == before else "replaced")
+    """))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    said = {mode: subprocess.run([sys.executable, str(probe), mode], capture_output=True, text=True, env=env,
+                                 timeout=120) for mode in ("keep", "plain")}
+    assert said["keep"].stdout.strip() == "kept", said["keep"].stdout + said["keep"].stderr
+    assert said["plain"].stdout.strip() == "replaced", said["plain"].stdout + said["plain"].stderr  # submitit's own

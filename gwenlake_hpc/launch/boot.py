@@ -15,8 +15,26 @@ import sys
 from ..signals import ignore_from_now_on, install_early
 
 
+def keep_our_handlers() -> None:
+    """Stop submitit from putting its own signal handlers over ours in this job step.
+
+    submitit installs them (``JobEnvironment._handle_signals``) just before it calls the job, and the job
+    (:class:`gwenlake_hpc.launch.slurm.SlurmEntry`) puts ours back first thing. A signal landing between the two
+    went to submitit's handler, which ended the job as "timed-out too many times" (a burst of SIGUSR2 hit that
+    gap in CI). Nothing here relies on submitit's handling: the loop stops at a step boundary and the batch
+    script's teardown decides the requeue (:mod:`gwenlake_hpc.launch.requeue`).
+    """
+    from submitit.core import job_environment
+
+    def keep(self: object, paths: object, submission: object) -> None:
+        return None  # ours stay
+
+    job_environment.JobEnvironment._handle_signals = keep  # type: ignore[method-assign]
+
+
 def main(argv: list[str]) -> None:
-    """Run ``[-u] -m MODULE ARGS...`` as ``python`` would, with the stop handlers already installed."""
+    """Run ``[-u] -m MODULE ARGS...`` as ``python`` would, with the stop handlers already installed (and kept:
+    :func:`keep_our_handlers` when MODULE is submitit's runner)."""
     install_early()
     args = list(argv)
     if args[:1] == ["-u"]:  # unbuffered output, as python -u
@@ -26,6 +44,8 @@ def main(argv: list[str]) -> None:
     if len(args) < 2 or args[0] != "-m":
         raise SystemExit(f"usage: python -m gwenlake_hpc.launch.boot [-u] -m MODULE [ARGS...], got {argv!r}")
     sys.argv = [args[1], *args[2:]]
+    if args[1].startswith("submitit."):
+        keep_our_handlers()  # imported while ours already record a stop signal
     try:
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
     finally:

@@ -44,10 +44,10 @@ class SlurmEntry:
     def __call__(self) -> dict[str, Any]:
         from ..signals import StopRequest, process_stop
 
-        # Our handlers replace submitit's at once: SLURM may send the time-limit warning seconds after the
-        # start, and submitit's own handler would end the job there ("timed-out too many times"). Started by
-        # gwenlake_hpc.launch.boot, the process has had ours since its first line: a signal they recorded
-        # before submitit put its own is kept.
+        # Our handlers, never submitit's: SLURM may send the time-limit warning seconds after the start, and
+        # submitit's own handler would end the job there ("timed-out too many times"). Started by
+        # gwenlake_hpc.launch.boot, the process has had ours since its first line and submitit installs none
+        # (boot.keep_our_handlers); reclaim() covers a step started otherwise.
         early = process_stop()
         if early is not None:
             early.reclaim()
