@@ -411,11 +411,8 @@ def typed_launcher(lc: Any) -> SlurmLauncherConfig:
 
     if isinstance(lc, SlurmLauncherConfig):
         return lc
-    with _as_config_error("launcher."):
-        node = lc if isinstance(lc, DictConfig) else OmegaConf.create(dict(lc))
-        if OmegaConf.get_type(node) is not SlurmLauncherConfig:
-            node = OmegaConf.merge(OmegaConf.structured(SlurmLauncherConfig), node)
-        return OmegaConf.to_object(node)  # type: ignore[return-value]
+    return _node_object(lc if isinstance(lc, DictConfig) else OmegaConf.create(dict(lc)), SlurmLauncherConfig,
+                        "launcher")
 
 
 _ROOT_KEYS = tuple(f"{f}." for f in ("job", "paths", "tracking", "statsd", "launcher", "cluster"))
