@@ -77,3 +77,117 @@ def test_load_errors_name_the_problem(tmp_path):
     only_model = save_state(tmp_path / "m.safetensors", model=torch.nn.Linear(2, 2))
     with pytest.raises(CheckpointError, match="no optimizer state"):
         load_state(only_model, optimizer=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+# --- a model-only file is the state dict as safetensors itself writes it (issue 21) ----------------------------
+
+class WithView(torch.nn.Module):
+    """A buffer that is a partial view of a parameter (shares its storage without being an exact alias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 6))
+        self.register_buffer("row", self.w.data[1])
+
+
+def _tensor_section(path) -> tuple[dict, bytes]:
+    """The header's tensor entries (no metadata) and the data bytes of a safetensors file."""
+    import json
+    import struct
+
+    raw = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header.pop("__metadata__", None)
+    return header, raw[8 + n:]
+
+
+def _sequential():
+    return torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2), torch.nn.BatchNorm1d(2))
+
+
+@pytest.mark.parametrize("make, dropped", [(_sequential, []), (Tied, ["head.weight"]), (WithView, ["row"])],
+                         ids=["sequential", "tied", "view"])
+def test_a_model_only_file_is_what_safetensors_save_model_writes(tmp_path, make, dropped):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, load_model, save_model
+
+    torch.manual_seed(0)
+    model = make()
+    path = save_state(tmp_path / "model.safetensors", model=model)
+    save_model(model, str(tmp_path / "ref.safetensors"))
+    # The same tensor names, dtypes, shapes, offsets and bytes as the library's own save_model, and its metadata
+    # (dropped name -> kept name) among ours.
+    assert _tensor_section(path) == _tensor_section(tmp_path / "ref.safetensors")
+    with safe_open(str(path), "pt") as f, safe_open(str(tmp_path / "ref.safetensors"), "pt") as ref:
+        assert (ref.metadata() or {}).items() <= f.metadata().items()
+        assert sorted(f.keys()) == sorted(set(model.state_dict()) - set(dropped))
+
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(1)
+    plain, by_lib, by_us = make(), make(), make()
+    # Any safetensors consumer: only the names safetensors drops as duplicates are missing, and their values
+    # arrive through the tensor they share storage with.
+    result = plain.load_state_dict(load_file(str(path)), strict=not dropped)
+    assert (result.missing_keys, result.unexpected_keys) == (dropped, [])
+    load_model(by_lib, str(path))  # strict
+    load_state(path, model=by_us)  # strict
+    for loaded in (plain, by_lib, by_us):
+        got = loaded.state_dict()
+        assert list(got) == list(expected)
+        for k, v in expected.items():
+            assert torch.equal(got[k], v), k
+    if make is Tied:
+        assert by_us.head.weight is by_us.emb.weight and by_lib.head.weight is by_lib.emb.weight
+
+
+def test_model_files_of_the_old_prefixed_layout_still_load(tmp_path):
+    """A model-only file as gwenlake_hpc wrote it before issue 21: tensors named ``model.<key>``, tied weights as
+    an alias (the metadata is the old writer's, byte for byte)."""
+    from gwenlake_hpc.checkpoints.tensorfile import write_tensors
+
+    torch.manual_seed(0)
+    old = torch.nn.Linear(2, 3)
+    emb = torch.randn(3, 2)
+    path = tmp_path / "old.safetensors"
+    write_tensors(path, {"model.emb.weight": emb, "model.head.bias": old.bias.detach()}, {"gwenlake_state": (
+        '{"format": 1, "writer": "gwenlake_hpc 0.1.0", "structure": {"__dict__": [["model", {"__dict__": '
+        '[["emb.weight", {"__tensor__": "model.emb.weight"}], ["head.weight", {"__tensor__": "model.head.weight"}], '
+        '["head.bias", {"__tensor__": "model.head.bias"}]]}]]}, "aliases": {"model.head.weight": "model.emb.weight"}}')})
+
+    class Small(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(3, 2)
+            self.head = torch.nn.Linear(2, 3)
+            self.head.weight = self.emb.weight
+
+    model = Small()
+    assert load_state(path, model=model) == {}
+    assert torch.equal(model.emb.weight, emb) and torch.equal(model.head.bias, old.bias)
+    assert model.head.weight is model.emb.weight
+
+
+def test_model_with_other_parts_keeps_prefixed_names_and_no_complete_owner_is_stored_whole(tmp_path):
+    """model+optimizer (or extra) stays prefixed; views sharing a storage that none covers whole (save_model
+    refuses those) are each stored from their own bytes and restored."""
+    from safetensors.torch import load_file
+
+    class Halves(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            whole = torch.arange(8.0)
+            self.register_buffer("a", whole[:5])
+            self.register_buffer("b", whole[3:])
+
+    model = Halves()
+    path = save_state(tmp_path / "h.safetensors", model=model)
+    assert sorted(load_file(str(path))) == ["a", "b"]
+    back = Halves()
+    back.a.zero_(), back.b.zero_()
+    load_state(path, model=back)
+    assert back.a.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and back.b.tolist() == [3.0, 4.0, 5.0, 6.0, 7.0]
+
+    lin = torch.nn.Linear(2, 2)
+    both = save_state(tmp_path / "both.safetensors", model=lin, extra={"epoch": 1})
+    assert sorted(load_file(str(both))) == ["model.bias", "model.weight"]

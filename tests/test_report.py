@@ -1,0 +1,55 @@
+"""report: the smoothed curves (TensorBoard's debiased exponential moving average) over the raw ones."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gwenlake_hpc.cli import run_subcommand
+from gwenlake_hpc.report import draw, smooth
+
+
+def test_smoothing_keeps_a_constant_series_constant_thanks_to_the_debias():
+    # Without the debias the first points would be 3 * (1 - 0.5**n): 1.5, 2.25, 2.625.
+    assert smooth([3.0, 3.0, 3.0, 3.0], 0.5) == [3.0, 3.0, 3.0, 3.0]
+
+
+def test_smoothing_a_step_series_gives_the_debiased_averages():
+    # last_n = 0.5 * last_{n-1} + 0.5 * x_n, divided by 1 - 0.5**n: 1, 1, 1.875/0.875, 2.4375/0.9375.
+    assert smooth([1.0, 1.0, 3.0, 3.0], 0.5) == pytest.approx([1.0, 1.0, 15 / 7, 13 / 5], rel=1e-12)
+    assert smooth([0.0, 10.0], 0.6) == pytest.approx([0.0, 4.0 / 0.64], rel=1e-12)
+
+
+def test_weight_zero_returns_the_input_and_non_finite_points_pass_through():
+    values = [0.3, -2.0, 7.5, 1e-9]
+    assert smooth(values, 0.0) == values
+    out = smooth([1.0, float("nan"), 3.0], 0.5)
+    # The NaN is drawn as a gap and does not enter the average (as in TensorBoard).
+    assert out[0] == 1.0 and math.isnan(out[1]) and out[2] == pytest.approx(1.75 / 0.75, rel=1e-12)
+
+
+def test_the_panel_draws_the_raw_curve_faint_under_the_smoothed_one_with_the_weight_in_the_legend():
+    loss = {s: (1.0 if s % 2 else 3.0) for s in range(1, 41)}
+    fig = draw({"loss": loss}, marks=[21], title="t", smoothing=0.6)
+    ax = fig.axes[0]
+    raw, smoothed = ax.get_lines()[:2]
+    assert list(raw.get_ydata()) == [loss[s] for s in range(1, 41)] and raw.get_alpha() < 0.5
+    assert list(smoothed.get_ydata()) == smooth([loss[s] for s in range(1, 41)], 0.6)
+    assert smoothed.get_color() == raw.get_color() and (smoothed.get_alpha() or 1.0) == 1.0
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["raw", "smoothed (EMA 0.6)"]
+    assert [tuple(line.get_xdata()) for line in ax.get_lines()[2:]] == [(21, 21)]  # the restart
+
+    plain = draw({"loss": loss}, marks=[], title="t", smoothing=0).axes[0]
+    assert len(plain.get_lines()) == 1 and plain.get_legend() is None  # 0: the raw curve alone, not faint
+
+
+@pytest.mark.parametrize("value", ["1", "-0.1", "nan", "abc"])
+def test_a_bad_smoothing_weight_exits_2_naming_the_option(tmp_path, capsys, value):
+    try:
+        code = run_subcommand(["report", str(tmp_path), "--smoothing", value])
+    except SystemExit as exc:  # argparse: not a number
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--smoothing" in err and "Traceback" not in err
