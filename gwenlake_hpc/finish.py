@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gwenlake_hpc.job")
 
+#: MLflow run tag of an evicted run: the step its start stopped at (the run is KILLED until a start resumes it).
+EVICTED_TAG = "gwenlake.evicted_at_step"
+#: What :data:`EVICTED_TAG` becomes once the run finished: the step of its last eviction, as history.
+LAST_EVICTED_TAG = "gwenlake.last_evicted_at_step"
+
 
 @dataclass
 class JobResult:
@@ -99,7 +104,7 @@ def finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
         ck = run.latest_checkpoint
         log.warning("evicted at step %d (%s); newest checkpoint: %s; run the same job again to resume",
                     run.step, stop.reason, ck.path if ck else "none")
-        tracker.set_tags({"gwenlake.evicted_at_step": str(run.step)})
+        tracker.set_tags({EVICTED_TAG: str(run.step)})
         tracker.finish("KILLED", timeout_s=min(finish_timeout, 20.0))
         return JobResult(EXIT_EVICTED, None, run_dir, run.step)
 
@@ -177,6 +182,8 @@ def finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
                             state_dir=tracker.state_dir if tracking_on else None, defer=tracking_on)
 
     tracker.set_tags({"gwenlake.version": version})
+    # a FINISHED run is not evicted: an earlier start's eviction stays as history under another name
+    tracker.rename_tags({EVICTED_TAG: LAST_EVICTED_TAG})
     info["completed"] = {"steps": steps, "epochs": epochs, "final_step": run.step, "version": version,
                          "time": time.time()}
     info.setdefault("completions", []).append(info["completed"])

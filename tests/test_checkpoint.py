@@ -91,6 +91,20 @@ def test_damaged_newest_is_set_aside_and_its_step_can_be_rewritten(tmp_path):
     assert store.latest().step == 1000 and (again.path / "weights.bin").read_bytes() == b"redone"
 
 
+def test_a_foreign_folder_in_the_way_of_a_new_checkpoint_is_set_aside_with_a_warning(tmp_path, caplog):
+    store = CheckpointStore(tmp_path / "ck", "k")
+    foreign = tmp_path / "ck" / "step-000000200"
+    foreign.mkdir(parents=True)
+    (foreign / "notes.txt").write_text("someone else's")  # no manifest: not written by a run
+    with caplog.at_level("WARNING", logger="gwenlake_hpc.checkpoints"):
+        ck = _write(store, 200)
+    (aside,) = [p for p in (tmp_path / "ck").iterdir() if p.name.startswith(".damaged-step-000000200-")]
+    assert (aside / "notes.txt").read_text() == "someone else's" and ck.path == foreign
+    (record,) = [r for r in caplog.records if r.name == "gwenlake_hpc.checkpoints"]
+    assert record.levelname == "WARNING" and "no readable manifest of this run" in record.getMessage()
+    assert str(foreign) in record.getMessage() and str(aside) in record.getMessage()
+
+
 def test_retention_never_deletes_what_was_just_written(tmp_path):
     store = CheckpointStore(tmp_path / "ck", "k")
     _write(store, 1000)

@@ -4,6 +4,7 @@ load_model by SHA and alias, Model(alias=...) bindings, lineage.json."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,7 +35,16 @@ def test_training_registers_a_model_version_with_run_artifacts_and_candidate_ali
     mv = next(v for v in versions if v.tags.get("gwenlake.version") == sha)
     lineage = json.loads(scorer.git("show", f"{sha}:t/scorer/lineage.json"))
     run_id = lineage["tracking"]["run_id"]
+    # MLflow's convention: the source is the folder of this version's own files (a run extended later logs its
+    # next version beside it, under model/<its sha>), so the source alone gives back exactly this version
     assert mv.source == f"runs:/{run_id}/model/{sha}" and mv.run_id == run_id
+    import mlflow.artifacts
+
+    fetched = Path(mlflow.artifacts.download_artifacts(mv.source, dst_path=str(scorer.root / "runs" / "src"),
+                                                       tracking_uri=server.uri))
+    assert sorted(p.name for p in fetched.iterdir()) == ["lineage.json", "metrics.json", "w.npy"]
+    committed = json.loads(scorer.git("show", f"{sha}:t/scorer/metrics.json"))
+    assert json.loads((fetched / "metrics.json").read_text()) == committed
     revision = Catalog(scorer.root / "data").open("t.cls-train").revision
     assert mv.tags["gwenlake.dataset.data"] == f"t.cls-train@{revision}"
     assert mv.tags["gwenlake.code_commit"] == scorer.git("rev-parse", "main")

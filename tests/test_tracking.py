@@ -192,7 +192,12 @@ def test_sqlite_store_one_point_per_step(sqlite_dir: Path, tmp_path: Path) -> No
     tracker.log_metrics({"loss": 123.0}, step=7)  # lower step: dropped
     tracker.log_metrics({"gnorm": float("nan")}, step=1)
     tracker.log_metrics({"gnorm": 2.5, "bad": "not a number"}, step=2)  # type: ignore[dict-item]
-    tracker.set_tags({"gwenlake.note": "done"})
+    tracker.set_tags({"gwenlake.note": "done", "old.name": "7"})
+    for _ in range(2):  # a repeated rename (a delivery again after a kill) and a tag the run lacks change nothing
+        tracker.rename_tags({"old.name": "new.name", "absent": "never"})
+    dataset = {"name": "d", "digest": "abc", "source_type": "code", "source": "{}", "schema": None, "profile": None}
+    for _ in range(2):  # the store keeps one input per dataset name and digest (a resumed training logs it again)
+        tracker.log_inputs([{"dataset": dataset, "tags": {"mlflow.data.context": "train"}}])
     with pytest.raises(ConfigError):
         tracker.finish("DONE")
     assert tracker.finish("FINISHED") is True
@@ -206,6 +211,10 @@ def test_sqlite_store_one_point_per_step(sqlite_dir: Path, tmp_path: Path) -> No
     assert run.data.params == {"model.lr": "0.001", "model.layers": "[64, 32]", "seed": "7"}
     assert run.data.tags["slurm.job_id"] == "123"
     assert run.data.tags["gwenlake.note"] == "done"
+    assert run.data.tags["new.name"] == "7" and not {"old.name", "absent", "never"} & set(run.data.tags)
+    (given,) = run.inputs.dataset_inputs
+    assert (given.dataset.name, given.dataset.digest, [(t.key, t.value) for t in given.tags]) == (
+        "d", "abc", [("mlflow.data.context", "train")])
     assert run.data.tags[ATTACH_COUNT_TAG] == "0"
     assert history(client, tracker.run_id, "loss") == [(s, loss(s)) for s in range(1, 51)]
     assert history(client, tracker.run_id, "auc") == [(s, s / 100) for s in range(10, 51, 10)]

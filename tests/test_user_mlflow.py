@@ -7,6 +7,7 @@ interrupted by a real SIGTERM and resumed; then the MLflow store is read with a 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -69,6 +70,8 @@ def check_long_fit_run(client: MlflowClient, project: Project) -> None:
     params, tags = run.data.params, run.data.tags
     assert (params["user.lr"], params["user.final"], params["user.rows"]) == ("0.05", "yes", "200")
     assert (tags["user.tag"], tags["user.done"]) == ("hello", "1")
+    # the eviction (SIGTERM in step 25, checkpoint at 26) is history once the run finished
+    assert tags.get("gwenlake.last_evicted_at_step") == "26" and "gwenlake.evicted_at_step" not in tags, tags
     arts = artifacts(client, rid)
     assert {"notes/weights.json", "notes/note.txt", "figures/plot.png"} <= set(arts), arts
     local = Path(client.download_artifacts(rid, "notes/note.txt", str(project.root / "dl")))
@@ -108,7 +111,7 @@ def test_short_fit_calling_mlflow_reports_into_its_run(mlproject, tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 75, out + err
-    mlproject.run("job.target=mltrainer.py:fit_short", check=0)  # fits again from nothing
+    again = mlproject.run("job.target=mltrainer.py:fit_short", check=0)  # fits again from nothing
     client = MlflowClient(tracking_uri=f"sqlite:///{mlproject.root / 'runs' / 'mlflow.db'}")
     (run,) = all_runs(client)
     assert client.get_experiment(run.info.experiment_id).name == "u.short"
@@ -117,6 +120,17 @@ def test_short_fit_calling_mlflow_reports_into_its_run(mlproject, tmp_path):
     assert run.data.params["user.kind"] == "short"
     assert "short.json" in artifacts(client, run.info.run_id)
     assert stray_stores(mlproject.root) == []
+    # plain mlflow.sklearn.autolog() (mltrainer._autolog_fits): three fits
+    text = again.stdout + again.stderr
+    refusals = [line for line in text.splitlines() if "Encountered unexpected error during sklearn autologging" in line]
+    assert len(refusals) == 3 and all("mlflow.sklearn.autolog(log_models=False)" in r for r in refusals), text
+    assert "log_input(s) inside a gwenlake_hpc training is ignored" not in text
+    assert "Failed to log training dataset information" not in text  # MLflow's own line, replaced by ours once:
+    assert text.count("MLflow's autolog could not record the training data") == 1, text
+    assert "'Series' object has no attribute 'flatten'" in text and "y.to_numpy()" in text
+    (dataset,) = client.get_run(run.info.run_id).inputs.dataset_inputs  # the DataFrame fit's
+    assert dataset.dataset.source_type == "code" and json.loads(dataset.dataset.schema)["mlflow_colspec"]
+    assert {t.key: t.value for t in dataset.tags} == {"mlflow.data.context": "train"}
 
 
 @pytest.mark.parametrize("tracking", ["true", "false"])
@@ -160,7 +174,7 @@ class RecordingTracker:
     """The job's Tracker as the store sees it: records what it is given (the delivery is tested above)."""
 
     def __init__(self, run_id):
-        self.run_id, self.points, self.params, self.tags, self.files = run_id, [], {}, {}, []
+        self.run_id, self.points, self.params, self.tags, self.files, self.inputs = run_id, [], {}, {}, [], []
 
     def wait_attached(self, timeout_s):
         return True
@@ -176,6 +190,9 @@ class RecordingTracker:
 
     def log_artifact(self, local_file, artifact_path=None):
         self.files.append((Path(local_file).read_text(), artifact_path))
+
+    def log_inputs(self, inputs):
+        self.inputs += inputs
 
 
 def test_without_entry_points_the_store_is_registered_once_mlflow_is_imported(tmp_path, monkeypatch):
@@ -210,8 +227,13 @@ def test_without_entry_points_the_store_is_registered_once_mlflow_is_imported(tm
             mlflow.MlflowClient().get_metric_history("abc123", "m")
         from sklearn.linear_model import LinearRegression
 
-        with pytest.raises(MlflowException, match="save the model's files in the function's Output folder"):
+        with pytest.raises(MlflowException, match=r"mlflow.sklearn.log_model\) are not stored.*save the model's "
+                                                  "files in the function's Output folder"):
             mlflow.sklearn.log_model(LinearRegression(), name="m")
+        import numpy as np
+
+        tiny = mlflow.data.from_numpy(np.arange(6.0).reshape(3, 2), name="tiny")
+        mlflow.log_input(tiny, context="train")
         with mlflow.start_run() as own:  # the user's own start_run replaces the run opened for active_run()
             assert own.info.run_id == "abc123"
             mlflow.log_metric("in_own", 3.0, step=8)
@@ -220,6 +242,11 @@ def test_without_entry_points_the_store_is_registered_once_mlflow_is_imported(tm
         assert mlflow.active_run().info.run_id == "abc123"
     assert tracker.points == [("m", 1.5, 3), ("nostep", 2.0, 7), ("in_own", 3.0, 8), ("after_end", 1.0, 9)]
     assert tracker.params == {"p": "4"} and tracker.tags == {"t": "x"} and tracker.files == [("hi", "dir")]
+    (given,) = tracker.inputs  # a dataset input, as MLflow's entity has it
+    assert given["dataset"]["name"] == "tiny" and given["dataset"]["digest"] == tiny.digest
+    assert given["dataset"]["source_type"] == "code"
+    assert json.loads(given["dataset"]["profile"])["features_shape"] == [3, 2]
+    assert given["tags"] == {"mlflow.data.context": "train"}
     assert mlflow.active_run() is None
     assert mlflow.start_run.__module__ == "mlflow.tracking.fluent"  # the wrapper is gone
     assert mlflow.get_tracking_uri() == other and not (tmp_path / "other.db").exists()

@@ -311,9 +311,15 @@ class PendingCheckpoint:
             _fsync_path(d, directory=True)
         _fsync_path(self.dir, directory=True)
         final = self.store.root / f"step-{self.step:09d}"
-        if final.exists() and self.store.set_aside_if_damaged(final) is None:
-            raise CheckpointError(f"a checkpoint for step {self.step} already exists at {final}; it is kept as is "
-                                  "(is another process running this run?)")
+        if final.exists():
+            problem = self.store.problem_of(final)
+            if problem is None:
+                raise CheckpointError(f"a checkpoint for step {self.step} already exists at {final}; it is kept as "
+                                      "is (is another process running this run?)")
+            aside = self.store.set_aside_if_damaged(final, problem)
+            # someone's folder renamed under their feet: say where it went
+            log.warning("%s was in the way of this run's checkpoint of step %d (%s); set aside as %s, kept for "
+                        "inspection", final, self.step, problem, aside)
         try:
             os.rename(self.dir, final)
         except OSError as exc:  # lost a race for the name: keep theirs, drop ours
@@ -428,16 +434,21 @@ class CheckpointStore:
     def set_aside_if_damaged(self, path: Path, problem: str | None = None) -> Path | None:
         """Rename a damaged checkpoint directory out of the way; None if it is intact (left in place)."""
         if problem is None:
-            manifest = self._read_manifest(path)
-            if manifest is not None:
-                problem = self.verify(Checkpoint(path, int(manifest["step"]), manifest), full=True)
-            else:
-                problem = "no readable manifest"
+            problem = self.problem_of(path)
         if problem is None:
             return None
         aside = self.root / f".damaged-{path.name}-{uuid.uuid4().hex[:8]}"
         os.rename(path, aside)
         return aside
+
+    def problem_of(self, path: Path) -> str | None:
+        """What is wrong with the checkpoint directory ``path`` (all files hashed), or None when it is intact;
+        a directory without a readable manifest of this run (a foreign folder) is ``"no readable manifest of this
+        run"``."""
+        manifest = self._read_manifest(path)
+        if manifest is None:
+            return "no readable manifest of this run"
+        return self.verify(Checkpoint(path, int(manifest["step"]), manifest), full=True)
 
     def retain(self, keep: int, newest: int | None = None) -> list[Path]:
         """Delete all but the newest ``keep`` complete checkpoints of this run; returns what was deleted.

@@ -16,7 +16,8 @@ A model's version is a git commit (:mod:`gwenlake_hpc.versioning`). This package
 * :func:`load_model` (:mod:`.load`): any version (SHA, alias or latest) as files on disk plus its metrics,
   lineage and ``predict``.
 * :func:`register_version` (:mod:`.mlflow_registry`): a version as an MLflow *model version* of the *registered
-  model* of the same name, whose source is the tracking run's artifacts (``runs:/<run_id>/model``), tagged
+  model* of the same name, whose source is the version's folder of the tracking run's artifacts
+  (``runs:/<run_id>/model/<version>``), tagged
   with the git commit and dataset revisions; registrations MLflow could not take yet wait in
   :mod:`.pending`.
 * :func:`after_commit` (:mod:`.training`): what a finished training does with its version.

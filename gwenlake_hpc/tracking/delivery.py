@@ -201,6 +201,10 @@ class Deliverer:
                     session.log_params(entry["params"], existing=session.run_params())
                 elif "artifact" in entry:
                     session.log_artifact(entry["artifact"]["file"], entry["artifact"]["path"])
+                elif "rename_tags" in entry:
+                    session.rename_tags(entry["rename_tags"])
+                elif "inputs" in entry:
+                    session.log_inputs(entry["inputs"])
                 else:
                     session.log_tags(entry["tags"])
             else:

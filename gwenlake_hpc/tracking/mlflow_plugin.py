@@ -6,6 +6,7 @@ through the entry points ``mlflow.tracking_store`` and ``mlflow.artifact_reposit
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -71,9 +72,13 @@ class JobStore(AbstractStore):
         self.sink.log(list(metrics or []), list(params or []), list(tags or []))
 
     def log_inputs(self, run_id: str, datasets: Any = None, models: Any = None) -> None:
-        """Ignored with one warning (dataset inputs are recorded by the job's own lineage)."""
-        warn_once("inputs", "mlflow.log_input(s) inside a gwenlake_hpc training is ignored: the job records its "
-                             "datasets (name@revision) as run tags and in the version's lineage")
+        """Dataset inputs (``mlflow.log_input``, autolog's training data) into the job's spool, delivered as the
+        run's inputs; model inputs (logged models, which the job refuses) are left out."""
+        self._check(run_id)
+        self.sink.log_inputs([{"dataset": {"name": d.dataset.name, "digest": d.dataset.digest,
+                                           "source_type": d.dataset.source_type, "source": d.dataset.source,
+                                           "schema": d.dataset.schema, "profile": d.dataset.profile},
+                               "tags": {t.key: t.value for t in (d.tags or [])}} for d in (datasets or [])])
 
     def delete_tag(self, run_id: str, key: str) -> None:
         """Ignored with one warning."""
@@ -100,13 +105,21 @@ class JobStore(AbstractStore):
         return Run(self._info(), RunData())
 
     def create_logged_model(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused: the job's model is its Output, committed as a version (see the message)."""
+        """Refused: the job's model is its Output, committed as a version (see the message, which names
+        ``mlflow.<flavor>.autolog(log_models=False)`` when autolog logged the model)."""
         from mlflow.exceptions import MlflowException
 
+        flavor, autolog = _caller_flavor()
+        fix = ("save the model's files in the function's Output folder (output.file(...)); the job commits them as "
+               "the model's version and registers it in MLflow's Model Registry")
+        if autolog:
+            # MLflow reports this inside "Encountered unexpected error during <flavor> autologging": name the fix
+            raise MlflowException(
+                f"autolog's model is not stored by a gwenlake_hpc training: call mlflow.{flavor}.autolog("
+                "log_models=False) (a refused model also loses the metrics autolog logs after it) and "
+                f"{fix}", error_code="INVALID_PARAMETER_VALUE")
         raise MlflowException(
-            "MLflow logged models (mlflow.<flavor>.log_model, autolog's model) are not stored by a gwenlake_hpc "
-            "training: save the model's files in the function's Output folder (output.file(...)); the job commits "
-            "them as the model's version and registers it in MLflow's Model Registry",
+            f"MLflow logged models (mlflow.{flavor}.log_model) are not stored by a gwenlake_hpc training: {fix}",
             error_code="INVALID_PARAMETER_VALUE")
 
     def search_logged_models(self, *args: Any, **kwargs: Any) -> Any:
@@ -144,6 +157,28 @@ class JobStore(AbstractStore):
 
     def link_traces_to_run(self, *args: Any, **kwargs: Any) -> Any:
         raise _refuse("linking traces")
+
+
+#: MLflow's own packages: a frame in any other ``mlflow.<name>`` module is a flavor's (``mlflow.sklearn``).
+_NOT_FLAVORS = frozenset({"tracking", "store", "models", "utils", "entities", "artifacts", "data", "exceptions",
+                          "environment_variables", "protos", "telemetry", "tracing"})
+
+
+def _caller_flavor() -> tuple[str, bool]:
+    """The MLflow flavor whose code is logging a model (``"<flavor>"`` when none is found) and whether autolog
+    is doing it, from the calling frames (MLflow does not hand the flavor to the store)."""
+    flavor, autolog = "<flavor>", False
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        parts = module.split(".")
+        if module.startswith("mlflow.utils.autologging_utils"):
+            autolog = True
+        elif flavor == "<flavor>" and len(parts) > 1 and parts[0] == "mlflow" and parts[1] not in _NOT_FLAVORS \
+                and not parts[1].startswith("_"):
+            flavor = ".".join(parts[1:3]) if parts[1] == "pyspark" else parts[1]  # mlflow.pyspark.ml.autolog
+        frame = frame.f_back
+    return flavor, autolog
 
 
 class JobArtifactRepository(ArtifactRepository):

@@ -312,6 +312,35 @@ class RunSession:
         todo = [RunTag(k, str(v)[:MAX_TAG_VALUE_LENGTH]) for k, v in tags.items()]
         self._log_entities("tag", todo, lambda items: {"tags": items})
 
+    def rename_tags(self, renames: Mapping[str, str]) -> None:
+        """Give each new tag name the value of the old one, then delete the old tag; a tag the run does not hold
+        is left alone, so a delivery repeated after a kill changes nothing more."""
+        held = self.client.get_run(self.rid).data.tags
+        moved = {new: held[old] for old, new in renames.items() if old in held}
+        if moved:
+            self.log_tags(moved)
+        for old in renames:
+            if old in held:
+                self.client.delete_tag(self.rid, old)
+
+    def log_inputs(self, inputs: Sequence[Mapping[str, Any]]) -> None:
+        """Record dataset inputs of the run (see :meth:`.tracker.Tracker.log_inputs`); MLflow keeps one input per
+        dataset name and digest, so a repeated delivery adds nothing. Inputs the server refuses are dropped
+        with a warning."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        datasets = [DatasetInput(Dataset(name=d["name"], digest=d["digest"], source_type=d["source_type"],
+                                         source=d["source"], schema=d.get("schema"), profile=d.get("profile")),
+                                 tags=[InputTag(str(k), str(v)) for k, v in (i.get("tags") or {}).items()])
+                    for i in inputs for d in (i["dataset"],)]
+        try:
+            self.client.log_inputs(self.rid, datasets=datasets)
+        except Exception as exc:
+            if not is_permanent(exc):
+                raise
+            logger.warning("tracking: the server refused dataset input(s) %s, dropping them: %s",
+                           ", ".join(repr(d.dataset.name) for d in datasets), scrub(exc, self.uri))
+
     def _log_entities(self, what: str, items: list[Any], kwargs: Callable[[list[Any]], dict[str, Any]]) -> None:
         for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
             chunk = items[start : start + MAX_PARAMS_TAGS_PER_BATCH]

@@ -40,7 +40,9 @@ ROTATE_BYTES = 16 << 20
 _SEGMENT = re.compile(r"^(\d{8,})\.jsonl$")
 
 Point = tuple[str, float, int, int]  # key, value, step, timestamp in ms
-Entry = Union[Point, dict]  # a point, {"tags": {...}}, {"params": {...}}, {"artifact": {...}} or {"rollout": {...}}
+# a point, {"tags": {...}}, {"params": {...}}, {"artifact": {...}}, {"rollout": {...}}, {"rename_tags": {...}} or
+# {"inputs": [...]}
+Entry = Union[Point, dict]
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,6 +97,15 @@ def decode(raw: bytes) -> Entry | None:
             if not isinstance(art, dict) or not isinstance(art.get("file"), str):
                 return None
             return {"artifact": {"file": art["file"], "path": str(art.get("path") or "")}}
+        if "rename_tags" in d:  # {old: new}: the finished run's eviction tag kept as history (finish.py)
+            renames = d["rename_tags"]
+            return {"rename_tags": {str(k): str(v) for k, v in renames.items()}} if isinstance(renames, dict) \
+                else None
+        if "inputs" in d:  # MLflow's log_input(s) inside the training function: dataset inputs of the run
+            inputs = d["inputs"]
+            if not isinstance(inputs, list) or not all(_is_input(i) for i in inputs):
+                return None
+            return {"inputs": inputs}
         if "rollout" in d:  # one RL episode, made a trace by the delivery (tracking/rollouts.py)
             rollout = d["rollout"]
             if not isinstance(rollout, dict) or not isinstance(rollout.get("messages"), list) or "id" not in rollout:
@@ -103,6 +114,15 @@ def decode(raw: bytes) -> Entry | None:
         return (str(d["key"]), float(d["value"]), int(d["step"]), int(d["timestamp"]))
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _is_input(entry: object) -> bool:
+    """A dataset input as :meth:`.tracker.Tracker.log_inputs` records it."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("dataset"), dict):
+        return False
+    dataset, tags = entry["dataset"], entry.get("tags", {})
+    return all(isinstance(dataset.get(k), str) for k in ("name", "digest", "source_type", "source")) \
+        and isinstance(tags, dict)
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +249,29 @@ class Tracker:
         with self._lock:
             self._buf.append({"tags": {str(k): str(v)[:MAX_TAG_VALUE_LENGTH] for k, v in tags.items()}})
 
+    def rename_tags(self, renames: Mapping[str, str]) -> None:
+        """Rename run tags (old name -> new name), in order with the points: the delivery gives each new name
+        the old tag's value, then deletes the old tag; a tag the run does not hold is left alone. Never
+        blocks."""
+        if self._closed or not renames:
+            return
+        with self._lock:
+            self._buf.append({"rename_tags": {str(k): str(v) for k, v in renames.items()}})
+
+    def log_inputs(self, inputs: Sequence[Mapping[str, Any]]) -> None:
+        """Record dataset inputs of the run (MLflow's ``log_input``), delivered in order with the points.
+
+        Args:
+            inputs: ``{"dataset": {"name", "digest", "source_type", "source", "schema", "profile"}, "tags":
+                {key: value}}`` each, the fields of MLflow's ``Dataset`` entity (strings; ``schema`` and
+                ``profile`` may be None) and its input tags (e.g. ``mlflow.data.context``). The store keeps
+                one input per dataset name and digest, so a resumed training logging it again adds nothing.
+        """
+        if self._closed or not inputs:
+            return
+        with self._lock:
+            self._buf.append({"inputs": [dict(i) for i in inputs]})
+
     def log_rollout(self, entry: Mapping[str, Any]) -> None:
         """Record one RL rollout (``{"rollout": {...}}`` from :func:`.rollouts.rollout_entry`), delivered in order
         with the points as an MLflow trace; never blocks."""
@@ -453,6 +476,12 @@ class NullTracker:
         """Do nothing."""
 
     def log_rollout(self, entry: Mapping[str, Any]) -> None:
+        """Do nothing."""
+
+    def rename_tags(self, renames: Mapping[str, str]) -> None:
+        """Do nothing."""
+
+    def log_inputs(self, inputs: Sequence[Mapping[str, Any]]) -> None:
         """Do nothing."""
 
     def log_params(self, params: Mapping[str, Any]) -> None:

@@ -3,14 +3,16 @@
 While the training function runs, the job sets ``MLFLOW_TRACKING_URI=gwenlake-job:<state folder>`` and
 ``MLFLOW_RUN_ID`` (:func:`reporting`). MLflow finds the two classes below through its plug-in entry points
 (``mlflow.tracking_store`` and ``mlflow.artifact_repository`` in ``pyproject.toml``), so ``mlflow.log_metric``,
-``log_param(s)``, ``set_tag(s)``, ``log_artifact(s)``, ``log_dict``, ``log_figure`` and ``mlflow.active_run()``
-work on the job's run with nothing to configure:
+``log_param(s)``, ``set_tag(s)``, ``log_artifact(s)``, ``log_dict``, ``log_figure``, ``log_input`` and
+``mlflow.active_run()`` work on the job's run with nothing to configure:
 
 - writes go into the job's tracking spool, like the package's own points: the delivery process sends them, in
   order, once; a step at or below one already logged for a key is dropped (a resumed training replays the steps
   after its checkpoint), so a restart never stores a second point;
 - a point logged without a step (MLflow records step 0) is recorded at the training's current step;
 - artifacts are copied into the state folder and uploaded by the delivery process;
+- dataset inputs (``log_input``, autolog's training data) go through the spool; MLflow's warning when autolog
+  cannot describe the data itself becomes one line of ours with the reason (:class:`_DatasetFailureOnce`);
 - the fluent API's status changes are ignored: the job alone marks the run (KILLED when evicted, FINISHED at
   the end), whatever ``mlflow.end_run`` or MLflow's exit hook say;
 - with tracking off (``tracking=False``, ``job.tracking=false``, ``fit.local()``) the calls go nowhere, with one
@@ -39,6 +41,30 @@ from .user_sink import ARTIFACT_SCHEME, ATTACH_WAIT_S, SCHEME, register, set_off
     warn_once
 
 logger = logging.getLogger("gwenlake_hpc.tracking")
+
+#: Loggers of MLflow's autolog integrations that warn, at every fit, when they cannot describe the training data.
+_DATASET_LOGGERS = ("mlflow.sklearn", "mlflow.tensorflow", "mlflow.pyspark.ml")
+_DATASET_FAILURE = "Failed to log training dataset information"
+
+
+class _DatasetFailureOnce(logging.Filter):
+    """Drops MLflow's "Failed to log training dataset information" warnings; the first becomes one line of ours
+    with its reason and, for MLflow's known failure on numpy features with a pandas target, the fix."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(_DATASET_FAILURE):
+            return True
+        reason = str(record.args[0]) if isinstance(record.args, tuple) and record.args else record.getMessage()
+        # MLflow's from_numpy hashes the target with .flatten(), which a pandas Series lacks
+        hint = ": MLflow describes numpy features only with a numpy target, so fit on y.to_numpy() (or on a " \
+               "DataFrame of features)" if "attribute 'flatten'" in reason else ""
+        warn_once("autolog-dataset", "MLflow's autolog could not record the training data as a dataset input of "
+                                     "the run (%s)%s; the job records its own datasets (name@revision) as run tags "
+                                     "and in the version's lineage. Said once per process", reason, hint)
+        return False
+
+
+_dataset_filter = _DatasetFailureOnce()
 
 
 @contextlib.contextmanager
@@ -82,9 +108,13 @@ def reporting(tracker: Any, state_dir: Path | None, current_step: Callable[[], i
     _register_plugins()
     set_aside = _set_process_uri(f"{SCHEME}:{key}")
     restore = _start_fluent_run()
+    for name in _DATASET_LOGGERS:
+        logging.getLogger(name).addFilter(_dataset_filter)
     try:
         yield
     finally:
+        for name in _DATASET_LOGGERS:
+            logging.getLogger(name).removeFilter(_dataset_filter)
         # every fluent run ends while the URI is still ours: MLflow's exit hook would end one left active against
         # its default store (a new ./mlflow.db); the store ignores the status
         _end_fluent_runs()

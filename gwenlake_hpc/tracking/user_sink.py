@@ -120,6 +120,17 @@ class _Sink:
             entries.append({"tags": {t.key: str(t.value) for t in tags}})
         self._writer.append(encode(entries))
 
+    def log_inputs(self, inputs: list[dict[str, Any]]) -> None:
+        """Dataset inputs of the run (the form of :meth:`.tracker.Tracker.log_inputs`)."""
+        if not inputs or not self._resolve():
+            return
+        if self.tracker is not None:
+            self.tracker.log_inputs(inputs)
+            return
+        from .spool import encode
+
+        self._writer.append(encode([{"inputs": inputs}]))
+
     def _step_of(self, metric: Any) -> int:
         step = int(metric.step or 0)
         if step == 0:  # MLflow's default for a point without a step: the training's own step
