@@ -39,6 +39,41 @@ def _length_of(batches: Any) -> int | None:
     except TypeError:
         return None
 
+
+def _is_plan(batches: Any) -> bool:
+    """Whether ``batches`` is a gwenlake ``Batches`` (an ``epoch(e, start=, seed=)`` method), not a plain iterable
+    (``IterableBatches`` has an ``epoch`` number)."""
+    return callable(getattr(batches, "epoch", None))
+
+
+def set_epoch(batches: Any, epoch: int) -> int:
+    """Call ``set_epoch(epoch)`` on each object that fixes the order of the plain iterable ``batches``.
+
+    As Lightning's ``_set_sampler_epoch`` and Accelerate's ``DataLoaderShard.set_epoch``: the iterable itself,
+    a ``DataLoader``'s ``dataset`` (an ``IterableBatches``), ``sampler`` (a ``DistributedSampler``),
+    ``batch_sampler`` and ``batch_sampler.sampler``, each object once; those without a callable ``set_epoch``
+    are skipped. Returns how many were called (0 for a list).
+    """
+    batch_sampler = getattr(batches, "batch_sampler", None)
+    found: dict[int, Any] = {}  # by id: samplers may be unhashable, and one may be reached twice
+    for obj in (batches, getattr(batches, "dataset", None), getattr(batches, "sampler", None), batch_sampler,
+                getattr(batch_sampler, "sampler", None)):
+        if obj is not None and callable(getattr(obj, "set_epoch", None)):
+            found.setdefault(id(obj), obj)
+    for obj in found.values():
+        obj.set_epoch(epoch)
+    return len(found)
+
+
+def _warn_persistent_workers(batches: Any) -> None:
+    dataset = getattr(batches, "dataset", None)
+    if getattr(batches, "persistent_workers", False) and getattr(batches, "num_workers", 0) > 0 \
+            and callable(getattr(dataset, "set_epoch", None)):
+        log.warning("DataLoader(persistent_workers=True) keeps the copy of %s its workers got at the first epoch: "
+                    "set_epoch does not reach them and every epoch repeats that order; use "
+                    "persistent_workers=False", type(dataset).__name__)
+
+
 class Run(RunMetrics, RunCheckpoints):
     """Owns the loop of one training; passed to the decorated function as ``run``.
 
@@ -199,7 +234,7 @@ class Run(RunMetrics, RunCheckpoints):
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def _sharded(self, batches: Any) -> bool:
-        return self.world_size > 1 and hasattr(batches, "epoch") and hasattr(batches, "__len__")
+        return self.world_size > 1 and _is_plan(batches) and hasattr(batches, "__len__")
 
     def _resolve_total(self, batches: Any) -> tuple[int, int | None]:
         per_epoch = _length_of(batches)
@@ -228,7 +263,7 @@ class Run(RunMetrics, RunCheckpoints):
         if batches is None:
             while True:
                 yield 0, None
-        if hasattr(batches, "epoch") and per_epoch:
+        if _is_plan(batches) and per_epoch:
             # gwenlake Batches: the data position is computed, skipped batches are never read. A rank of a
             # multi-task run reads its own contiguous shard of each epoch's order.
             epoch, pos = divmod(start, per_epoch)
@@ -244,6 +279,7 @@ class Run(RunMetrics, RunCheckpoints):
                         "use Input(...).batches() to resume without reading them", start)
         epoch, pos = (divmod(start, per_epoch) if per_epoch else (0, start))
         while True:
+            set_epoch(batches, epoch)  # before iter(): a DataLoader hands its workers the dataset then
             produced = 0
             for i, b in enumerate(batches):
                 produced += 1
@@ -264,7 +300,9 @@ class Run(RunMetrics, RunCheckpoints):
         Args:
             batches: ``Input(...).batches(...)`` (resumable without reading skipped data; epochs repeat with a
                 new order), any re-iterable of batches (repeated over epochs; a resume reads the skipped
-                ones), or None (the batch is None, for trainings that make their own data).
+                ones), or None (the batch is None, for trainings that make their own data). Before each pass
+                over a re-iterable, the resumed one included, :func:`set_epoch` gives it the epoch number
+                (an ``IterableBatches``, a ``DataLoader``'s dataset or ``DistributedSampler``).
 
         Before each step ``at_eval`` is fixed: true at multiples of ``eval_every``, at the last step, and when
         a stop request arrived before the step was yielded (that step is then the last, with ``stopping``).
@@ -281,6 +319,7 @@ class Run(RunMetrics, RunCheckpoints):
         total, per_epoch = self._resolve_total(batches)
         self.total_steps = total
         shield_workers(batches)
+        _warn_persistent_workers(batches)
         was = (self._run_state or {}).get("world_size", 1)
         if self._run_state is not None and self._steps_setting is None and was != self.world_size:
             # An epoch is len(batches) // world_size steps: another number of ranks changes the run's length.

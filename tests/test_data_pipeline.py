@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 import torch
 
+from gwenlake_hpc import Input, Output, train
 from gwenlake_hpc.data import Catalog, Dataset, IterableBatches, content_revision
 from gwenlake_hpc.errors import ConfigError, DataError
 
@@ -195,6 +196,45 @@ def test_iterable_batches_checks_arguments_in_the_main_process(catalog):
         IterableBatches(ds.path, 0)
     with pytest.raises(ConfigError, match="seed"):
         IterableBatches(ds.path, 4, seed=-1)
+    with pytest.raises(ConfigError, match="epoch must be an integer >= 0, got -1"):
+        IterableBatches(ds.path, 4).set_epoch(-1)
+    ds.close()
+
+
+@train(data=Input("t.stream"), output=Output("t.stream"), epochs=3, eval_every=4)
+def _fit_stream(data, output, run, config):
+    """Records (step, epoch, row ids) of each batch of IterableBatches, in a 2-worker DataLoader or directly."""
+    stream = IterableBatches(data, 4, block_rows=4, buffer_blocks=2, seed=run.seed)
+    seen = []
+    batches = stream if config["direct"] else torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2)
+    for step, batch in run.steps(batches):
+        seen.append((step, run.epoch, batch["idx"].tolist()))
+        if run.at_eval:
+            with run.checkpoint(keep=1):
+                pass
+        if step == config["stop_at"]:
+            break
+    return seen
+
+
+def test_run_steps_sets_the_epoch_of_iterable_batches_in_dataloader_workers(catalog, tmp_path):
+    ds = _make(catalog, "t.stream", rows=24)  # 6 batches of 4 an epoch, 3 epochs
+    # With 2 workers, worker 0 yields batches 0-2 of the epoch's order, worker 1 batches 3-5, alternated.
+    plan = ds.batches(4, block_rows=4, buffer_blocks=2, prefetch=False)
+    want = {e: [b["idx"].tolist() for b in plan.epoch(e, seed=5)] for e in range(3)}
+    interleaved = [(1 + e * 6 + i, e, want[e][j]) for e in range(3) for i, j in enumerate([0, 3, 1, 4, 2, 5])]
+    full = _fit_stream.local({"stop_at": 0, "direct": False}, seed=5, data=ds)
+    assert full == interleaved
+    assert len({tuple(map(tuple, want[e])) for e in range(3)}) == 3  # each epoch its own order
+
+    # Stopped after step 9 (epoch 1, batch 3): the resume lands in epoch 1 after the checkpoint of step 8.
+    first = _fit_stream.local({"stop_at": 9, "direct": False}, seed=5, data=ds, run_dir=tmp_path / "r")
+    second = _fit_stream.local({"stop_at": 0, "direct": False}, seed=5, data=ds, run_dir=tmp_path / "r")
+    assert first == full[:9] and second == full[8:]
+
+    # Without a DataLoader, the stream itself is a plain iterable whose epoch run.steps sets.
+    direct = _fit_stream.local({"stop_at": 0, "direct": True}, seed=5, data=ds)
+    assert direct == [(1 + e * 6 + i, e, want[e][i]) for e in range(3) for i in range(6)]
     ds.close()
 
 

@@ -127,6 +127,38 @@ def test_resume_restores_step_rng_and_data_position(tmp_path):
     assert sorted(i for _, b in full[:13] for i in b) == list(range(100))
 
 
+SHORT_FIT_WITHOUT_TORCH = """
+import sys
+from pathlib import Path
+import gwenlake_hpc.job, gwenlake_hpc.transforms
+from gwenlake_hpc.rng import seed_everything
+from gwenlake_hpc.run import Run
+from gwenlake_hpc.signals import StopRequest
+from gwenlake_hpc.tracking import NullTracker
+seed_everything(7)
+seed_everything(5)  # the job's second Run (a damaged checkpoint set aside): the later seed wins
+run = Run(run_dir=Path(sys.argv[1]), run_key="k", steps=1, epochs=None, eval_every=1, seed=5,
+          tracker=NullTracker(), stop=StopRequest(), progress="off")
+assert [s for s, _ in run.steps()] == [1]
+assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))[:5]
+import torch
+drawn = torch.rand(3).tolist()
+torch.manual_seed(5)
+print("seeded" if drawn == torch.rand(3).tolist() else f"not seeded: {drawn}")
+"""
+
+
+def test_a_one_step_run_loads_no_torch_and_seeds_it_when_imported_later(tmp_path):
+    """A short fit's Run needs no torch (its import costs seconds); user code that imports torch afterwards
+    still gets it seeded with the run's seed, as if it had been imported first."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", SHORT_FIT_WITHOUT_TORCH, str(tmp_path / "run")], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0 and out.stdout.strip() == "seeded", out.stdout + out.stderr[-2000:]
+
+
 def test_epochs_length_and_errors(tmp_path):
     run = make_run(tmp_path, steps=None, epochs=3)
     assert [s for s, _ in run.steps([1, 2, 3, 4])][-1] == 12
@@ -206,6 +238,72 @@ def test_a_dataloader_over_an_iterable_dataset_without_len_runs_job_steps(tmp_pa
     assert got == [(s, (s - 1) % 4) for s in range(1, 11)]
     with pytest.raises(ConfigError, match="set job.steps"):
         list(make_run(tmp_path / "e", steps=None, epochs=2).steps(loader))
+
+
+@pytest.mark.parametrize("where", ["sampler", "batch_sampler"])
+def test_a_distributed_sampler_gets_each_epoch_also_on_a_resume(tmp_path, where):
+    """As Lightning and Accelerate do, run.steps calls set_epoch on the DataLoader's sampler (or its batch
+    sampler's) at each epoch, also the epoch a resume lands in; one replica, so no process group is needed."""
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+    rows = list(range(12))
+
+    def loader():
+        sampler = DistributedSampler(rows, num_replicas=1, rank=0, seed=7)
+        if where == "sampler":
+            return DataLoader(rows, batch_size=3, sampler=sampler)
+        return DataLoader(rows, batch_sampler=BatchSampler(sampler, 3, drop_last=False))
+
+    def run_once(root, stop_at=None):
+        run = make_run(root, steps=None, epochs=3, eval_every=5)
+        seen = []
+        for step, batch in run.steps(loader()):
+            seen.append((step, run.epoch, batch.tolist()))
+            if run.at_eval:
+                with run.checkpoint(keep=1):
+                    pass
+            if step == stop_at:
+                break
+        return run, seen
+
+    ref = DistributedSampler(rows, num_replicas=1, rank=0, seed=7)
+    want = []
+    for e in range(3):
+        ref.set_epoch(e)
+        order = list(ref)
+        want += [(1 + e * 4 + i, e, order[3 * i:3 * i + 3]) for i in range(4)]
+    orders = {e: [i for _, e2, b in want if e2 == e for i in b] for e in range(3)}
+    assert len({tuple(o) for o in orders.values()}) == 3 and sorted(orders[2]) == rows  # 3 different orders
+    _, full = run_once(tmp_path / "a")
+    assert full == want
+    run_once(tmp_path / "b", stop_at=7)  # checkpoint at step 5: the resume lands in epoch 1, batch 1
+    run2, second = run_once(tmp_path / "b")
+    assert run2.start_step == 5 and second == want[5:]
+
+
+def test_persistent_workers_keep_their_first_epoch_and_the_run_warns(tmp_path, caplog):
+    """The workers' copy of the dataset is made once: set_epoch in the main process cannot reach it."""
+    import torch
+
+    class Stream(torch.utils.data.IterableDataset):
+        epoch = 0
+
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+        def __iter__(self):
+            return iter([self.epoch * 10 + i for i in range(3)])
+
+    def batches(root, persistent):
+        loader = torch.utils.data.DataLoader(Stream(), batch_size=None, num_workers=1, persistent_workers=persistent)
+        return [int(b) for _, b in make_run(root, steps=6).steps(loader)], loader.dataset.epoch
+
+    with caplog.at_level(logging.WARNING, logger="gwenlake_hpc.run"):
+        assert batches(tmp_path / "a", persistent=True) == ([0, 1, 2, 0, 1, 2], 1)
+        assert "DataLoader(persistent_workers=True) keeps the copy of Stream" in caplog.text
+        caplog.clear()
+        assert batches(tmp_path / "b", persistent=False) == ([0, 1, 2, 10, 11, 12], 1)  # a fresh copy an epoch
+        assert "persistent_workers" not in caplog.text
 
 
 class DurableRecorder(Recorder):

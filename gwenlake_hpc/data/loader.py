@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from gwenlake_hpc.errors import ConfigError
 
 from .dataset import Dataset
 
@@ -31,9 +34,11 @@ class IterableBatches(torch.utils.data.IterableDataset):
     file, and every batch of the epoch is yielded exactly once. The ``DataLoader`` interleaves
     the workers' batches (round robin), so the order differs from :meth:`Batches.epoch`'s but is
     still a pure function of ``(seed, epoch, N)``. Without workers it is :meth:`Batches.epoch`.
-    Call :meth:`set_epoch` before each epoch for a new order (with ``persistent_workers=True``
-    the workers keep the epoch they were started with). A resume through ``run.steps`` reads the
-    skipped batches (a ``DataLoader`` is a plain iterable there); ``Dataset.batches()`` does not.
+    :meth:`set_epoch` before each epoch gives it a new order; ``run.steps`` calls it (on the stream
+    or on the ``DataLoader``'s dataset) before each epoch, the one a resume lands in included. With
+    ``persistent_workers=True`` the workers keep the epoch they were started with (``run.steps``
+    warns). A resume through ``run.steps`` reads the skipped batches (a ``DataLoader`` is a plain
+    iterable there); ``Dataset.batches()`` does not.
     """
 
     def __init__(
@@ -69,8 +74,13 @@ class IterableBatches(torch.utils.data.IterableDataset):
         self.epoch = epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Use epoch ``epoch``'s order from the next iteration on (call it before each epoch)."""
-        self.epoch = epoch
+        """Use epoch ``epoch``'s order from the next iteration on (``run.steps`` calls it before each epoch).
+
+        Raises :class:`ConfigError` if ``epoch`` is not an integer >= 0 (here, not later in a worker).
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:
+            raise ConfigError(f"epoch must be an integer >= 0, got {epoch!r}")
+        self.epoch = int(epoch)
 
     def __len__(self) -> int:
         """Batches per epoch, all workers together."""
