@@ -33,7 +33,8 @@ class Resources:
         env: environment variables for the job (not secret: they appear in the script).
         secrets: names of environment variables passed through the 0600 secrets file at submission.
         metadata: tags of the MLflow run (str -> str).
-        max_retries: requeues after a time limit or a killed job step, or None (the launcher's default, 3).
+        max_retries: requeues in a row, after a time limit or a killed job step, of starts that sealed no newer
+            checkpoint (``launcher.max_retries``), or None (the launcher's default, 3).
         image: the container image (``launcher.container.image``): a ``.sif`` path, a ``docker://`` reference
             or an OCI bundle directory; None: no container.
     """

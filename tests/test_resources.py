@@ -57,7 +57,7 @@ def test_declared_resources_become_sbatch_lines_that_launcher_settings_override(
     assert {"#SBATCH --cpus-per-task=2", "#SBATCH --mem=500M", "#SBATCH --gres=gpu:1"} <= lines, script
     assert "export GWL_DECLARED='from the decorator'" in lines
     assert "--max-retries 5 " in script
-    assert "s3cr3t-value" not in script and "secrets.env" in script
+    assert "s3cr3t-value" not in script and "/slurm/secrets-<random>.env" in script
     over = project.run(*base, "launcher.cpus_per_task=1", "launcher.mem_gb=2", "launcher.gpus_per_node=2",
                        "launcher.max_retries=0", "+launcher.env.GWL_DECLARED=mine", env=env, check=0).stdout
     lines = set(over.splitlines())
@@ -66,3 +66,7 @@ def test_declared_resources_become_sbatch_lines_that_launcher_settings_override(
     assert "export GWL_DECLARED=mine" in lines and "--max-retries 0 " in over
     missing = project.run(*base)  # the declared secret is not in the environment
     assert missing.returncode == 2 and "GWL_TEST_TOKEN" in missing.stdout + missing.stderr
+    # a launcher file that does not name its schema (no defaults list) takes the declared resources too
+    (project.root / "conf" / "launcher" / "mine.yaml").write_text("name: slurm\ndry_run: true\n")
+    mine = project.run("job.target=trainer.py:fit_declared", "launcher=mine", env=env, check=0).stdout
+    assert {"#SBATCH --cpus-per-task=2", "#SBATCH --mem=500M", "#SBATCH --gres=gpu:1"} <= set(mine.splitlines()), mine

@@ -31,11 +31,11 @@ def sh(*cmd) -> str:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout.strip()
 
 
-def submit(project, *overrides, env_vars=None) -> str:
+def submit(project, *overrides, env_vars=None, env=None) -> str:
     args = ["+job=t", *overrides]
     for k, v in (env_vars or {}).items():
         args.append(f"+launcher.env.{k}={v}")
-    proc = project.run(*args, check=0)
+    proc = project.run(*args, env=env, check=0)
     m = re.search(r"submitted job (\d+)", proc.stdout)
     assert m, proc.stdout + proc.stderr
     return m.group(1)
@@ -153,9 +153,13 @@ def test_scancel_keeps_checkpoint_and_resubmission_resumes(project):
     # time limit; a scancel must still never be requeued.
     near_limit = [o for o in SLOW if not o.startswith(("launcher.timeout_min", "launcher.signal_delay_s"))]
     job = submit(project, *near_limit, "launcher.timeout_min=2", "launcher.signal_delay_s=30",
-                 env_vars={"GWL_TEST_SLEEP": "0.05"})
+                 "launcher.secrets=[GWL_TEST_TOKEN]", env_vars={"GWL_TEST_SLEEP": "0.05"},
+                 env={"GWL_TEST_TOKEN": "s3cr3t-value"})
     wait_until(checkpoint_at_least(project, 30), what="a checkpoint at step 30")
+    secrets = list((run_dir(project) / "slurm").glob("secrets-*.env"))
+    assert len(secrets) == 1
     project.run("cancel", job, check=0)
+    assert not secrets[0].exists()  # removed by `cancel` at once: a cancelled job's teardown may be killed
     assert finish(job).startswith("CANCELLED")
     text = log_text(project, job)
     assert "stop requested (SIGTERM)" in text and "SLURM is ending it" in text
@@ -165,10 +169,17 @@ def test_scancel_keeps_checkpoint_and_resubmission_resumes(project):
     again = submit(project, *SLOW)
     assert finish(again) == "COMPLETED"
     assert "resuming from step" in log_text(project, again)
+    # status: the cancelled job shows its own step and no version, not what the later job of its run did
+    lines = {ln.split()[0]: ln for ln in project.run("status", check=0).stdout.splitlines()[1:]}
+    assert 30 <= int(lines[job].split()[3]) < 300 and "version" not in lines[job], lines[job]
+    assert re.search(rf"{again}\s+COMPLETED\s+0\s+300\s", lines[again]) and "version" in lines[again]
 
 
 def test_sigkilled_step_is_requeued_and_resumes(project):
-    job = submit(project, *SLOW, env_vars={"GWL_TEST_SLEEP": "0.05"})
+    """A killed step is requeued by the teardown. launcher.max_retries counts the starts in a row that sealed no
+    newer checkpoint: a start that advanced is requeued even with max_retries=0; a job whose starts seal nothing
+    new ends FAILED after max_retries of them, and `status` names the rule."""
+    job = submit(project, *SLOW, "launcher.max_retries=0", env_vars={"GWL_TEST_SLEEP": "0.05"})
     wait_until(checkpoint_at_least(project, 50), what="a checkpoint at step 50")
     pattern = f"^{re.escape(sys.executable)} -m gwenlake_hpc.launch.boot -u -m submitit.core._submit {re.escape(str(run_dir(project)))}"
     pids = sh("pgrep", "-f", pattern).split()
@@ -176,9 +187,22 @@ def test_sigkilled_step_is_requeued_and_resumes(project):
     subprocess.run(["kill", "-9", pids[0]], check=True)
     assert finish(job) == "COMPLETED"
     text = log_text(project, job)
-    assert "killed by signal" in text and "requeue 1/3" in text
+    assert "killed by signal" in text and "requeue, start 2/100 (this start sealed a newer checkpoint" in text
     assert "resuming from step" in text
     one_point_per_step(project, 300)
+
+    # Every start dies in the checkpoint of step 30 (left torn, never sealed): the first sealed 10 and 20 before,
+    # the next ones nothing newer. max_retries=1: the second start is requeued, the third ends the job.
+    stuck = submit(project, "launcher=slurm", "launcher.timeout_min=5", "launcher.max_retries=1", "job.seed=1",
+                   env_vars={"GWL_TEST_SIGKILL_IN_CKPT": "30"})
+    assert finish(stuck) == "FAILED"
+    assert job_fields(stuck).get("Restarts") == "2"
+    record = json.loads(next(project.root.glob(f"runs/t.model/*/slurm/{stuck}/teardown.json")).read_text())
+    assert [(s["newest_step"], s["progressed"], s["action"]) for s in record["starts"]] == [
+        (20, True, "requeue"), (20, False, "requeue"), (20, False, "fail")]
+    assert "2 start(s) in a row sealed no newer checkpoint" in log_text_any(project, stuck)
+    line = next(ln for ln in project.run("status", check=0).stdout.splitlines() if ln.split()[:1] == [stuck])
+    assert "FAILED" in line and "ended by launcher.max_retries" in line, line
 
 
 def test_exception_fails_the_job_with_traceback(project):
@@ -194,7 +218,7 @@ def test_time_limit_requeues_itself_and_completes(project):
                  "launcher.max_retries=6", "launcher.progress_every_s=2", env_vars={"GWL_TEST_SLEEP": "0.25"})
     assert finish(job, timeout=900) == "COMPLETED"
     text = log_text(project, job)
-    assert "SIGUSR2" in text and re.search(r"time limit \(\d+ s left\): requeue 1/6", text)
+    assert "SIGUSR2" in text and re.search(r"time limit \(\d+ s left\): requeue, start 2/100", text)
     one_point_per_step(project, 160)
 
 
@@ -490,20 +514,38 @@ def test_a_time_limit_warning_during_start_up_is_a_stop_not_a_kill(project):
 
 def test_resources_declared_on_train_reach_the_job(project):
     """@train(cpu="2", memory="500Mi", gpu="1", env=, secrets=, metadata=) on the real cluster: SLURM allocates
-    them, the job sees the env and the secret (not in its script), the MLflow run carries the metadata."""
+    them, the job sees the env and the secret (not in its script), the MLflow run carries the metadata. The
+    secrets file outlives a requeue (the step SIGKILLed at step 15) and goes when the job has COMPLETED."""
+    reached, go = project.root / "reached", project.root / "go"
     proc = project.run("job.target=trainer.py:fit_declared", "launcher=slurm", "launcher.timeout_min=5",
-                       "launcher.partition=high", env={"GWL_TEST_TOKEN": "s3cr3t-value"}, check=0)
+                       "launcher.partition=high", env={"GWL_TEST_TOKEN": "s3cr3t-value",
+                                                       "GWL_TEST_PAUSE": f"15:{reached}:{go}"}, check=0)
     job = re.search(r"submitted job (\d+)", proc.stdout + proc.stderr).group(1)
     fields = job_fields(job)
     assert fields.get("MinMemoryNode") == "500M" and fields.get("NumCPUs") == "2", fields
     assert fields.get("TresPerNode") in ("gres:gpu:1", "gres/gpu:1"), fields  # the spelling depends on the version
+    wait_until(reached.exists, what="the first start at step 15")
+    secrets_file, = (run_dir(project) / "slurm").glob("secrets-*.env")
+    assert secrets_file.stat().st_mode & 0o777 == 0o600
+    step_proc = f"^{re.escape(sys.executable)} -m gwenlake_hpc.launch.boot -u -m submitit.core._submit {re.escape(str(run_dir(project)))}"
+    reached.unlink()
+    subprocess.run(["kill", "-9", *wait_until(lambda: sh("pgrep", "-f", step_proc).split(), what="the step")],
+                   check=True)
+
+    def second_start_paused():  # releasing the requeued job from SLURM's start delay
+        if state_of(job) == "PENDING" and job_fields(job).get("Reason") == "BeginTime":
+            release(int(job))
+        return reached.exists()
+
+    wait_until(second_start_paused, what="the requeued start at step 15")
+    assert secrets_file.exists()  # kept across the requeue: this start sourced it
+    go.touch()
     assert finish(job) == "COMPLETED"
     text = log_text(project, job)
-    assert "GWL_DECLARED=from the decorator" in text and "token present: True" in text
-    secrets_file = run_dir(project) / "slurm" / "secrets.env"
-    assert secrets_file.stat().st_mode & 0o777 == 0o600
-    leaks = [p for p in project.root.rglob("*") if p.is_file() and p != secrets_file
-             and b"s3cr3t-value" in p.read_bytes()]
+    assert "killed by signal" in text and "No such file" not in text
+    assert "GWL_DECLARED=from the decorator" in text and text.count("token present: True") == 2
+    assert not secrets_file.exists()  # the job ended for good: its teardown removed it
+    leaks = [p for p in project.root.rglob("*") if p.is_file() and b"s3cr3t-value" in p.read_bytes()]
     assert leaks == []  # not in the script, the logs, the spool, the store, the model repository
     run = one_point_per_step(project, 20)
     assert run.data.tags["team"] == "crm" and run.data.tags["purpose"] == "resources test"

@@ -40,19 +40,23 @@ def print_status(runs_root: Path, include_old: bool = False) -> int:
         print(f"{s.job_id:>10}  {s.state:<12} {'' if s.restarts is None else s.restarts:>8} "
               f"{'' if s.step is None else s.step:>8}  {s.tracking_run_id or '-':<32}  "
               f"{r['model']}/{Path(r['run_dir']).name}" + (f"  version {s.version[:12]}" if s.version else "")
-              + (f"  on {r['cluster']}" if r.get("cluster") else ""))
+              + (f"  on {r['cluster']}" if r.get("cluster") else "")
+              + (f"  ended by {s.ended_by}: {s.reason}" if s.ended_by else ""))
     return 0
 
 
 def cancel(job_id: str, runs_root: Path | None = None) -> int:
-    """``scancel`` a job; its run directory and checkpoints are kept. A job that ``runs_root``'s index records
-    as submitted to a remote cluster is cancelled there over SSH."""
-    remote = [r for r in job_records(runs_root) if r["job_id"] == job_id] if runs_root is not None else []
+    """``scancel`` a job; its run directory and checkpoints are kept, the secrets files that ``runs_root``'s
+    index records for it (for every task of an array given by its id) removed. A job that the index records as
+    submitted to a remote cluster is cancelled there over SSH."""
+    records = job_records(runs_root) if runs_root is not None else []
+    remote = [r for r in records if r["job_id"] == job_id]
     if remote and remote[-1].get("cluster"):
         from .remote_jobs import cancel_remote
 
         return cancel_remote(remote[-1])
-    return scancel(job_id)
+    tasks = [r for r in records if r["job_id"] == job_id or str(r["job_id"]).startswith(f"{job_id}_")]
+    return scancel(job_id, [r["secrets"] for r in tasks if r.get("secrets")])
 
 
 def _record(runs_root: Path, job_id: str) -> dict:

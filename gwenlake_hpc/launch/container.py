@@ -70,11 +70,12 @@ class ContainerStep:
         """The step's interpreter command (shell-quoted), e.g. for submitit's ``python`` parameter."""
         return " ".join(shlex.quote(w) for w in [*self.command, "-m", module])
 
-    def teardown(self, max_retries: int, signal_delay_s: int) -> list[str]:
-        """The requeue teardown on the host (see :func:`gwenlake_hpc.launch.slurm.teardown_lines`)."""
+    def teardown(self, max_retries: int, signal_delay_s: int, more: str = "") -> list[str]:
+        """The requeue teardown on the host (see :func:`gwenlake_hpc.launch.slurm.teardown_lines`); ``more``:
+        further options, already shell-quoted (:func:`gwenlake_hpc.launch.slurm.teardown_args`)."""
         return ["rc=$?",
                 f"python3 {shlex.quote(str(self.teardown_script))} --rc \"$rc\" --max-retries {int(max_retries)} "
-                f"--signal-delay {int(signal_delay_s)}",
+                f"--signal-delay {int(signal_delay_s)}" + (f" {more}" if more else ""),
                 "exit $?"]
 
 

@@ -17,6 +17,8 @@ def record_job(p: Any, sub: Any, target: str, overrides: list[str] | None = None
     record = {"job_id": sub.job_id, "run_dir": str(p.run_dir), "model": p.model_name, "run_key": p.key,
               "target": target, "submitted": time.time(), "stdout": str(sub.stdout), "stderr": str(sub.stderr),
               "folder": str(sub.folder), "overrides": overrides or []}
+    if getattr(sub, "secrets", None) is not None:  # the path of its secrets file (`cancel` removes it), no value
+        record["secrets"] = str(sub.secrets)
     index = p.runs_root / JOBS_INDEX
     index.parent.mkdir(parents=True, exist_ok=True)
     with open(index, "a") as fh:

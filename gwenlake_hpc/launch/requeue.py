@@ -9,6 +9,22 @@ The batch shell ignores SIGTERM (so that srun does not SIGKILL the step), so thi
 preemption or a scancel. It then finds the job no longer RUNNING (COMPLETING, CANCELLED, PREEMPTED...): SLURM is
 ending the job itself and nothing is requeued here, whatever the remaining time.
 
+The budget counts starts that made no progress. A training meant to span many allocations (a week on a
+partition limited to 24 h) is requeued as long as each start seals a newer checkpoint; one that loops without
+progress (out of memory at the same step, a crash on resume) is not. ``--max-retries`` bounds the starts *in a
+row* whose end found no checkpoint sealed since the batch script began (``--started``, its ``date +%s``; the
+newest ``<run dir>/checkpoints/step-N`` with a manifest); ``--max-starts`` bounds all starts (SLURM's restart
+count + 1, preemptions included). Without ``--run-dir`` (a script written by hand) every start counts as one
+without progress, so ``--max-retries`` bounds the requeues in all.
+
+The teardown keeps the job's own record, ``<run dir>/slurm/<job>/teardown.json`` (:func:`record_path`): each
+start's exit status, newest sealed step, whether it advanced it, the decision and the rule that ended the job,
+the starts without progress in a row, and the version of a start that finished. ``status`` reads it.
+
+``--secrets FILE`` (the job's 0600 file of secret values) is removed once the job ends for good (finished,
+failed, out of budget, or ended by SLURM without a requeue: scancel, SLURM's own time limit) and kept across
+requeues.
+
 The module uses the standard library only and runs as a plain file too (``python3 requeue.py --rc ...``): a job
 in a container image runs its teardown on the host, whose Python may not have gwenlake_hpc
 (:mod:`gwenlake_hpc.launch.container` copies this file into the job's folder).
@@ -17,30 +33,40 @@ in a container image runs its teardown on the host, whose Python may not have gw
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 #: The exit status of an evicted training (:data:`gwenlake_hpc.errors.EXIT_EVICTED`; a test checks they agree).
 EXIT_EVICTED = 75
+#: ``launcher.max_starts`` by default: starts of one job in all, progress or not.
+DEFAULT_MAX_STARTS = 100
+#: The job's own record in ``<run dir>/slurm/<job>/`` (see :func:`record_path`).
+RECORD_NAME = "teardown.json"
 
 log = logging.getLogger("gwenlake_hpc.launch.requeue")
 
 #: An eviction with at most signal_delay_s + this many seconds left is a time limit: SLURM may send the
 #: warning signal up to 60 s early, and the checkpoint and exit take some seconds more.
 TIME_LIMIT_SLACK_S = 90
+_STEP_DIR = re.compile(r"^step-(\d{9,})$")
 
 
 @dataclass(frozen=True)
 class Decision:
-    """``action``: ``done`` (success), ``requeue``, ``leave`` (SLURM decides) or ``fail``; ``reason`` says why."""
+    """``action``: ``done`` (success), ``requeue``, ``leave`` (SLURM decides) or ``fail``; ``reason`` says why;
+    ``rule``: the setting that ended the job (``launcher.max_retries``, ``launcher.max_starts``), else None."""
 
     action: str
     reason: str
+    rule: str | None = None
 
 
 def parse_slurm_time(text: str) -> int | None:
@@ -57,18 +83,21 @@ def parse_slurm_time(text: str) -> int | None:
 
 
 def decide(rc: int, restarts: int, max_retries: int, remaining_s: int | None, signal_delay_s: int,
-           state: str | None = None) -> Decision:
+           state: str | None = None, stalled: int | None = None, max_starts: int = DEFAULT_MAX_STARTS) -> Decision:
     """What to do after the job step ended with status ``rc``.
 
     Args:
         rc: the step's exit status as the batch shell sees it (0 done, 75 evicted, 1 the training raised,
             >128 or 137 killed by a signal).
         restarts: ``SLURM_RESTART_COUNT`` (0 on the first start).
-        max_retries: the launcher's ``max_retries``.
+        max_retries: the launcher's ``max_retries``: starts in a row without progress that are requeued.
         remaining_s: the job's remaining time from ``squeue -o %L``, None if unknown or unlimited.
         signal_delay_s: the ``--signal`` lead time.
         state: the job's state from ``squeue -o %T`` (None if unknown): anything but RUNNING means SLURM is
             ending the job (scancel, preemption, the time limit itself) and decides about it.
+        stalled: starts in a row, this one included, that sealed no newer checkpoint (0: this one did); None
+            when unknown, counted as ``restarts + 1`` (every start without progress).
+        max_starts: the launcher's ``max_starts``: starts in all; the one numbered ``max_starts`` is the last.
     """
     if rc == 0:
         return Decision("done", "the training finished")
@@ -78,20 +107,78 @@ def decide(rc: int, restarts: int, max_retries: int, remaining_s: int | None, si
     warned = rc in (128 + signal.SIGUSR2, -signal.SIGUSR2)  # killed by the time-limit warning before any handler
     if rc == EXIT_EVICTED or warned:
         if remaining_s is not None and remaining_s <= signal_delay_s + TIME_LIMIT_SLACK_S:
-            if restarts < max_retries:
-                return Decision("requeue", f"time limit ({remaining_s} s left): requeue {restarts + 1}/{max_retries}")
-            return Decision("fail", f"time limit and no retry left ({restarts}/{max_retries} used)")
-        if warned and restarts < max_retries and remaining_s is not None:
-            return Decision("requeue", f"job step killed by SIGUSR2 with {remaining_s} s left (the warning came "
-                                       f"before its handlers existed): requeue {restarts + 1}/{max_retries}")
+            return _budget(f"time limit ({remaining_s} s left)", restarts, max_retries, stalled, max_starts)
+        if warned and remaining_s is not None:
+            return _budget(f"job step killed by SIGUSR2 with {remaining_s} s left (the warning came before its "
+                           "handlers existed)", restarts, max_retries, stalled, max_starts)
         return Decision("leave", f"evicted with {remaining_s} s left: a preemption or a cancel, SLURM decides")
     if rc > 128 or rc < 0:
         sig = rc - 128 if rc > 128 else -rc
-        if restarts < max_retries:
-            return Decision("requeue", f"job step killed by signal {sig} (out of memory or killed): "
-                                       f"requeue {restarts + 1}/{max_retries}")
-        return Decision("fail", f"job step killed by signal {sig}, no retry left ({restarts}/{max_retries} used)")
+        return _budget(f"job step killed by signal {sig} (out of memory or killed)", restarts, max_retries, stalled,
+                       max_starts)
     return Decision("fail", f"the training failed with exit status {rc} (traceback above)")
+
+
+def _budget(what: str, restarts: int, max_retries: int, stalled: int | None, max_starts: int) -> Decision:
+    starts = restarts + 1
+    in_a_row = starts if stalled is None else stalled
+    if starts >= max_starts:
+        return Decision("fail", f"{what}: not requeued, this was start {starts} and launcher.max_starts={max_starts} "
+                                "caps all starts", "launcher.max_starts")
+    if in_a_row > max_retries:
+        return Decision("fail", f"{what}: not requeued, {in_a_row} start(s) in a row sealed no newer checkpoint "
+                                f"and launcher.max_retries={max_retries} allows that many in a row",
+                        "launcher.max_retries")
+    progress = ("progress unknown, counted as none" if stalled is None else
+                "this start sealed a newer checkpoint" if stalled == 0 else
+                f"{stalled} start(s) in a row without a newer checkpoint")
+    return Decision("requeue", f"{what}: requeue, start {starts + 1}/{max_starts} ({progress}; "
+                               f"launcher.max_retries={max_retries} in a row allowed)")
+
+
+def newest_sealed(run_dir: Path) -> tuple[int, float] | None:
+    """(step, seal time in Unix seconds) of the newest sealed checkpoint of ``run_dir``: the highest
+    ``checkpoints/step-N`` whose ``MANIFEST.json`` names step N (its ``created``, else the file's mtime).
+    None when there is none."""
+    root = Path(run_dir) / "checkpoints"
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    steps = sorted((int(m.group(1)), name) for m, name in ((_STEP_DIR.match(n), n) for n in names) if m)
+    for step, name in reversed(steps):
+        manifest_path = root / name / "MANIFEST.json"
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            created = manifest.get("created") if isinstance(manifest, dict) else None
+            if not isinstance(manifest, dict) or manifest.get("step") != step:
+                continue
+            return step, float(created) if isinstance(created, (int, float)) else manifest_path.stat().st_mtime
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def record_path(run_dir: Path, job_ref: str) -> Path:
+    """The job's own record: ``<run_dir>/slurm/<job_ref>/teardown.json`` (``job_ref``: ``<id>`` or
+    ``<array id>_<task>``)."""
+    return Path(run_dir) / "slurm" / job_ref / RECORD_NAME
+
+
+def read_record(run_dir: Path, job_ref: str) -> dict:
+    """The job's record (see the module's docstring); ``{}`` when there is none or it is unreadable."""
+    try:
+        data = json.loads(record_path(run_dir, job_ref).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_record(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)  # a reader sees the old record or the new one, never half of one
 
 
 def slurm_job_ref() -> str:
@@ -101,44 +188,113 @@ def slurm_job_ref() -> str:
     return os.environ["SLURM_JOB_ID"]
 
 
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
 def job_state(job_ref: str) -> tuple[str | None, int | None]:
     """The job's state and remaining seconds as SLURM reports them (``squeue -h -j REF -o "%T %L"``).
 
     ``(None, None)`` when squeue does not answer or no longer lists the job.
     """
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", job_ref, "-o", "%T %L"], capture_output=True, text=True,
-                             timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None, None
-    fields = out.split()
+    fields = _run(["squeue", "-h", "-j", job_ref, "-o", "%T %L"]).split()
     if len(fields) < 2:
         return None, None
     return fields[0], parse_slurm_time(fields[1])
 
 
+def slurm_requeues(job_ref: str, restarts: int) -> bool | None:
+    """Whether SLURM itself will start the ending job again (a preemption): ``scontrol show job`` then counts
+    the next restart already and has no end time. False when it shows neither (a scancel, SLURM's time limit);
+    None when it does not answer."""
+    fields = dict(kv.split("=", 1) for kv in _run(["scontrol", "-o", "show", "job", job_ref]).split() if "=" in kv)
+    if not fields.get("Restarts", "").isdigit():
+        return None
+    if int(fields["Restarts"]) > restarts or fields.get("EndTime", "Unknown") in ("Unknown", "None", ""):
+        return True
+    return False
+
+
+def ends_for_good(d: Decision, state: str | None, job_ref: str, restarts: int, requeued: bool) -> bool:
+    """Whether the job will not start again after this teardown (its secrets may go): done, failed, a failed
+    ``scontrol requeue``, or SLURM ending it (not RUNNING) without a requeue of its own. When unsure: False."""
+    if d.action in ("done", "fail"):
+        return True
+    if d.action == "requeue":
+        return not requeued
+    if state in (None, "RUNNING"):  # with a preemption's GraceTime, SLURM may still requeue a job that RUNs
+        return False
+    return slurm_requeues(job_ref, restarts) is False
+
+
+def _completed_version(run_dir: Path) -> str | None:
+    try:
+        info = json.loads((Path(run_dir) / "run.json").read_text())
+        return (info.get("completed") or {}).get("version")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gwenlake_hpc.launch.requeue --rc RC --max-retries N --signal-delay S``; returns the job's status."""
+    """``python -m gwenlake_hpc.launch.requeue --rc RC --max-retries N --signal-delay S [--max-starts M]
+    [--started UNIX_S] [--run-dir DIR] [--secrets FILE]``; returns the job's exit status."""
     logging.basicConfig(level=logging.INFO, format="[gwenlake requeue] %(message)s", stream=sys.stderr)
     p = argparse.ArgumentParser()
     p.add_argument("--rc", type=int, required=True)
-    p.add_argument("--max-retries", type=int, required=True)
+    p.add_argument("--max-retries", type=int, required=True, help="starts in a row without progress requeued")
+    p.add_argument("--max-starts", type=int, default=DEFAULT_MAX_STARTS, help="starts in all")
     p.add_argument("--signal-delay", type=int, required=True)
+    p.add_argument("--started", default="", help="Unix seconds when the batch script began (this start)")
+    p.add_argument("--run-dir", default="", help="the run directory, whose checkpoints tell progress")
+    p.add_argument("--secrets", default="", help="the job's secrets file, removed when the job ends for good")
     a = p.parse_args(argv)
     ref = slurm_job_ref()
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     state, remaining = job_state(ref) if a.rc != 0 else (None, None)
-    d = decide(a.rc, restarts, a.max_retries, remaining, a.signal_delay, state)
+    run_dir = Path(a.run_dir) if a.run_dir else None
+    started = float(a.started) if re.fullmatch(r"\d+(\.\d+)?", a.started) else None
+    record = read_record(run_dir, ref) if run_dir and restarts > 0 else {}  # a first start's: another job's id
+    newest = newest_sealed(run_dir) if run_dir else None
+    progressed = None if run_dir is None or started is None else (newest is not None and newest[1] >= started)
+    before = int(record.get("stalled") or 0)
+    stalled = None if progressed is None else 0 if progressed else before + 1
+    d = decide(a.rc, restarts, a.max_retries, remaining, a.signal_delay, state, stalled, a.max_starts)
     log.info("job %s step ended with status %d: %s", ref, a.rc, d.reason)
+    status = 0 if d.action == "done" else (a.rc if a.rc > 0 else 1)
+    requeued = False
     if d.action == "requeue":
         proc = subprocess.run(["scontrol", "requeue", ref], capture_output=True, text=True)
-        if proc.returncode != 0:
+        requeued = proc.returncode == 0
+        if requeued:
+            status = 0
+        else:
             log.error("scontrol requeue %s failed: %s", ref, proc.stderr.strip())
-            return a.rc or 1
-        return 0
-    if d.action == "done":
-        return 0
-    return a.rc if a.rc > 0 else 1
+    final = ends_for_good(d, state, ref, restarts, requeued)
+    if run_dir is not None:
+        # a start SLURM ended (preemption) counts only when it advanced: the stop was not the training's doing
+        record["stalled"] = stalled if d.action in ("requeue", "fail") else (0 if progressed else before)
+        record.setdefault("starts", []).append({
+            "restart": restarts, "rc": a.rc, "started": started, "ended": time.time(), "state": state,
+            "newest_step": newest[0] if newest else None, "progressed": progressed, "action": d.action,
+            "reason": d.reason, "rule": d.rule, "final": final})
+        if d.action == "done":
+            record["version"] = _completed_version(run_dir)
+        try:
+            _write_record(record_path(run_dir, ref), record)
+        except OSError as exc:  # the decision stands without its record
+            log.warning("could not write the job's record under %s: %s", run_dir, exc)
+    if final and a.secrets:
+        try:
+            os.unlink(a.secrets)
+            log.info("the job ended: its secrets file %s was removed", a.secrets)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not remove the secrets file %s: %s", a.secrets, exc)
+    return status
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import os
 import shlex
 import shutil
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -22,7 +23,7 @@ from typing import Any, Mapping, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from .. import rules
-from ..config import typed_launcher
+from ..config import launcher_node, typed_launcher
 from ..errors import EXIT_EVICTED, ConfigError, GwenlakeError
 from .records import record_job
 
@@ -90,15 +91,20 @@ def max_retries(lc: Any) -> int:
 
 
 def with_declared(lc: Any, res: Any) -> Any:
-    """A copy of the launcher config ``lc`` with the resources ``res`` declared on ``@train`` (a
+    """A copy of the launcher config ``lc`` (a DictConfig typed by the SLURM launcher's schema, see
+    :func:`gwenlake_hpc.config.launcher_node`) with the resources ``res`` declared on ``@train`` (a
     :class:`gwenlake_hpc.resources.Resources`, or None) filled in where ``lc`` leaves them null:
     ``cpus_per_task``, ``mem_gb``, ``gres`` (unless ``gpus_per_node`` is set), ``max_retries``,
     ``container.image``; ``env`` merged
     under ``launcher.env``; ``secrets`` added to ``launcher.secrets``. The job config and the command line
-    therefore override the decorator."""
+    therefore override the decorator.
+
+    Raises:
+        ConfigError: ``lc`` has a wrong type or an unknown key (named ``launcher.KEY``).
+    """
     from ..resources import launcher_defaults
 
-    out = copy.deepcopy(lc)
+    out = launcher_node(lc)  # typed, so keys the launcher file left out can be set
     if res is None:
         return out
     for key, value in launcher_defaults(res).items():
@@ -139,20 +145,33 @@ def sbatch_parameters(lc: Any, job_name: str) -> dict[str, Any]:
     return params
 
 
-def setup_lines(lc: Any, secrets_file: Path | None) -> list[str]:
-    """Shell lines run before the step: SIGTERM ignored by the shell, the user's ``setup``, then quoted
-    ``export``s, then secrets."""
+#: The teardown's ``--run-dir`` in a job array: the task's entry of the list :func:`setup_lines` defines.
+ARRAY_RUN_DIR = '"${gwenlake_run_dirs[$SLURM_ARRAY_TASK_ID]}"'
+
+
+def shell_path(path: Path | str) -> str:
+    """``path`` shell-quoted for the batch script; ``%a`` in it stands for the array task's index."""
+    return '"$SLURM_ARRAY_TASK_ID"'.join(shlex.quote(part) for part in str(path).split("%a"))
+
+
+def setup_lines(lc: Any, secrets_file: Path | None, array_run_dirs: Sequence[Path] | None = None) -> list[str]:
+    """Shell lines run before the step: SIGTERM ignored by the shell, this start's time (``$gwenlake_started``,
+    Unix seconds: the teardown counts the checkpoints sealed since), the run directory of each task of a job
+    array (``array_run_dirs``, in task order), the user's ``setup``, then quoted ``export``s, then secrets
+    (``%a`` in ``secrets_file``: the array task's index)."""
     # The batch shell and srun ignore SIGTERM: on preemption or scancel SLURM signals every step, and srun
     # answers SIGTERM by SIGKILLing its tasks at once, which would cut the training's last checkpoint short.
     # The training itself (started by slurmstepd, not by this shell) still gets SIGTERM and stops cleanly.
     s = typed_launcher(lc)  # env names checked by its rules
-    lines = ["trap '' TERM"]
+    lines = ["trap '' TERM", "gwenlake_started=$(date +%s)"]
+    if array_run_dirs:
+        lines.append("gwenlake_run_dirs=(" + " ".join(shlex.quote(str(d)) for d in array_run_dirs) + ")")
     lines += [str(line) for line in s.setup]
     lines += [f"export {name}={shlex.quote(str(value))}" for name, value in s.env.items()]
     # One thread per process unless told otherwise: jobs share nodes' cores.
     lines.append('export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"')
     if secrets_file is not None:
-        lines.append(f"set -a; . {shlex.quote(str(secrets_file))}; set +a")
+        lines.append(f"set -a; . {shell_path(secrets_file)}; set +a")
     return lines
 
 
@@ -169,8 +188,11 @@ def check_secrets(lc: Any, environ: Mapping[str, str] = os.environ) -> list[str]
     return names
 
 
-def write_secrets(lc: Any, folder: Path, environ: Mapping[str, str] = os.environ) -> Path | None:
-    """Write the values of ``launcher.secrets`` to a 0600 file that the job sources; None if no secrets.
+def write_secrets(lc: Any, folder: Path, environ: Mapping[str, str] = os.environ, tasks: int = 1) -> Path | None:
+    """Write the values of ``launcher.secrets`` to a new 0600 file that the job sources,
+    ``<folder>/secrets-<random>.env``; for a job array of ``tasks`` > 1 tasks one file per task,
+    ``secrets-<random>-<index>.env``, and the path returned has ``%a`` for the index. None if no secrets.
+    The job's teardown removes its file when the job ends for good (:mod:`gwenlake_hpc.launch.requeue`).
 
     Raises:
         ConfigError: a name is not a valid variable name or is not set in the submitting environment.
@@ -180,23 +202,47 @@ def write_secrets(lc: Any, folder: Path, environ: Mapping[str, str] = os.environ
         return None
     lines = [f"{name}={shlex.quote(environ[name])}\n" for name in names]
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "secrets.env"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.writelines(lines)
-    os.chmod(path, 0o600)
+    # A name of its own: the end of this job removes its file, never that of a later submission of the run.
+    path = folder / (f"secrets-{uuid.uuid4().hex[:12]}" + ("-%a" if tasks > 1 else "") + ".env")
+    for task in range(tasks):
+        one = Path(str(path).replace("%a", str(task)))
+        fd = os.open(one, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.writelines(lines)
+        os.chmod(one, 0o600)
     return path
 
 
-def teardown_lines(lc: Any, python: str | None = None) -> list[str]:
-    """After the step: requeue on a time limit or a killed step while retries remain (see requeue.py).
+def secrets_files(path: Path | None, tasks: int = 1) -> list[Path]:
+    """The files :func:`write_secrets` wrote for ``path`` (one per array task when it holds ``%a``)."""
+    if path is None:
+        return []
+    return [Path(str(path).replace("%a", str(i))) for i in range(tasks)] if "%a" in str(path) else [path]
+
+
+def teardown_args(lc: Any, run_dir: Path | str | None = None, secrets: Path | None = None) -> str:
+    """The requeue teardown's options after ``--max-retries`` and ``--signal-delay``: ``--max-starts``, this
+    start's time, the run directory whose checkpoints tell progress (a path, or :data:`ARRAY_RUN_DIR`), the
+    secrets file it removes when the job ends for good (``%a``: the array task's index)."""
+    args = f"--max-starts {typed_launcher(lc).max_starts} --started \"$gwenlake_started\""
+    if run_dir is not None:
+        args += " --run-dir " + (run_dir if run_dir == ARRAY_RUN_DIR else shlex.quote(str(run_dir)))
+    if secrets is not None:
+        args += " --secrets " + shell_path(secrets)
+    return args
+
+
+def teardown_lines(lc: Any, python: str | None = None, run_dir: Path | str | None = None,
+                   secrets: Path | None = None) -> list[str]:
+    """After the step: requeue on a time limit or a killed step within the budgets, remove the secrets at the
+    job's end (see requeue.py; ``run_dir`` and ``secrets`` as for :func:`teardown_args`).
 
     ``python`` is the interpreter on the cluster (default: this one, for submissions from the login node).
     """
     py = shlex.quote(python or sys.executable)
     return ["rc=$?",
             f"{py} -m gwenlake_hpc.launch.requeue --rc \"$rc\" --max-retries {max_retries(lc)} "
-            f"--signal-delay {typed_launcher(lc).signal_delay_s}",
+            f"--signal-delay {typed_launcher(lc).signal_delay_s} {teardown_args(lc, run_dir, secrets)}",
             "exit $?"]
 
 
@@ -209,6 +255,7 @@ class Submission:
     stdout: Path
     stderr: Path
     folder: Path
+    secrets: Path | None = None  # this job's secrets file (removed by its teardown, and by `cancel`)
 
 
 #: The job step's interpreter command: our stop handlers first (gwenlake_hpc.launch.boot), then submitit's runner.
@@ -248,12 +295,17 @@ def container_step(lc: Any, job_cfg: Mapping[str, Any], folder: Path, write: boo
                    write=write, more_paths=more)
 
 
-def step_parts(lc: Any, step: Any, secrets: Path | None) -> tuple[str, list[str], list[str], list[str]]:
-    """(interpreter command, setup lines, teardown lines, srun options) with or without a container."""
-    setup = setup_lines(lc, secrets)
+def step_parts(lc: Any, step: Any, secrets: Path | None,
+               run_dirs: Sequence[Path] = ()) -> tuple[str, list[str], list[str], list[str]]:
+    """(interpreter command, setup lines, teardown lines, srun options) with or without a container;
+    ``run_dirs``: the job's run directory, or each array task's in task order."""
+    array = len(run_dirs) > 1
+    setup = setup_lines(lc, secrets, run_dirs if array else None)
+    run_dir = ARRAY_RUN_DIR if array else (run_dirs[0] if run_dirs else None)
     if step is None:
-        return BOOT_PYTHON, setup, teardown_lines(lc), []
-    return (step.python(), setup + step.setup, step.teardown(max_retries(lc), typed_launcher(lc).signal_delay_s),
+        return BOOT_PYTHON, setup, teardown_lines(lc, run_dir=run_dir, secrets=secrets), []
+    return (step.python(), setup + step.setup,
+            step.teardown(max_retries(lc), typed_launcher(lc).signal_delay_s, teardown_args(lc, run_dir, secrets)),
             list(step.srun_args))
 
 
@@ -265,9 +317,9 @@ def render_script(cfg: DictConfig, run_dir: Path, tracking_uri: str | None = Non
     s = typed_launcher(lc)
     folder = Path(s.folder) if s.folder else run_dir / "slurm"
     params = sbatch_parameters(s, job_name=_job_name(cfg, run_dir))
-    secrets = folder / "secrets.env" if s.secrets else None
+    secrets = folder / "secrets-<random>.env" if s.secrets else None
     step = container_step(lc, job_container(cfg, tracking_uri), folder, write=False)
-    python, setup, teardown, srun_args = step_parts(lc, step, secrets)
+    python, setup, teardown, srun_args = step_parts(lc, step, secrets, [run_dir])
     command = f"{python} -u -m submitit.core._submit {shlex.quote(str(folder / '%j'))}"
     return render_sbatch(command, folder / "%j", params, setup=setup, teardown=teardown, srun_args=srun_args)
 
@@ -306,20 +358,23 @@ def submit(cfg: DictConfig) -> Submission | None:
     container_step(lc, container, folder, write=False)  # refuse a bad container before writing anything
     made = next((d for d in [*reversed(folder.parents), folder] if not d.exists()), None)  # the first we create
     folder.mkdir(parents=True, exist_ok=True)
+    secrets = None
     try:
         secrets = write_secrets(lc, folder)
         python, setup, teardown, srun_args = step_parts(lc, container_step(lc, container, folder, write=True),
-                                                        secrets)
+                                                        secrets, [p.run_dir])
         ex = make_executor(folder / "%j", params, setup, teardown, python=python, srun_args=srun_args)
         try:
             job = ex.submit(SlurmEntry(container))
         except Exception as exc:  # submitit raises on sbatch errors with sbatch's message
             raise GwenlakeError(f"sbatch failed: {exc}") from exc
     except BaseException:
+        if secrets is not None:  # no job will source it
+            secrets.unlink(missing_ok=True)
         if made is not None:  # nothing submitted: what this call created goes (a resubmission's logs stay)
             shutil.rmtree(made, ignore_errors=True)
         raise
-    sub = Submission(job.job_id, p.run_dir, Path(job.paths.stdout), Path(job.paths.stderr), folder)
+    sub = Submission(job.job_id, p.run_dir, Path(job.paths.stdout), Path(job.paths.stderr), folder, secrets)
     record_job(p, sub, container["job"]["target"])
     return sub
 
@@ -347,13 +402,14 @@ def submit_training(target: str, overrides: Sequence[str], job: str | None = Non
     except (HydraException, OmegaConfBaseException) as exc:  # a bad override: a usage error, as on the command line
         said = [str(e).strip().splitlines()[0] for e in (exc, exc.__cause__) if e is not None and str(e).strip()]
         raise ConfigError(": ".join(said) or type(exc).__name__) from None
-    if cfg.launcher.name != "slurm":
-        raise ConfigError(f"launcher.name={cfg.launcher.name}: fit.submit() submits to SLURM; drop the override "
-                          "(fit.local() runs in this process)")
+    name = cfg.launcher.get("name", "local")  # a launcher file without its schema may leave it out
+    if name != "slurm":
+        raise ConfigError(f"launcher.name={name}: fit.submit() submits to SLURM; drop the override, or give "
+                          "name: slurm in conf/launcher/slurm.yaml (fit.local() runs in this process)")
     sub = submit(cfg)
     if sub is None:
         raise ConfigError("launcher.dry_run=true submits nothing; drop it to get a handle")
-    return JobHandle(sub.job_id, sub.run_dir)
+    return JobHandle(sub.job_id, sub.run_dir, secrets=sub.secrets)
 
 
 def job_container(cfg: DictConfig, tracking_uri: str | None, fill_model_repo: bool = True) -> dict[str, Any]:

@@ -1,17 +1,22 @@
-"""Job status from SLURM's own records (sacct, scontrol) joined with the run directory's facts."""
+"""Job status from SLURM's own records (sacct, scontrol) joined with the run directory's facts.
+
+A run key can be reused by a later job (a cancelled sweep task submitted again, alone); once a later job started
+the run, a job's step and version come from its own records (its teardown's record, else the checkpoints sealed
+before the later start and the completions within its time), not from the run directory's newer state."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoints import CheckpointStore
 from ..errors import GwenlakeError
 from ..fsutil import read_json
+from .requeue import read_record
 
 #: Job states after which a job will not run again (a REQUEUED or PREEMPTED job will).
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
@@ -33,6 +38,11 @@ class JobStatus:
         checkpoint: its directory.
         tracking_run_id: the MLflow run id stored in the run directory.
         version: the model version when the run completed.
+        ended_by: the setting whose budget ended the job (``launcher.max_retries``, ``launcher.max_starts``),
+            from its teardown's record; None otherwise.
+        reason: the teardown's last decision, when it recorded one.
+
+    A job whose run a later job started again shows its own step and version (see the module's docstring).
     """
 
     job_id: str
@@ -43,6 +53,8 @@ class JobStatus:
     tracking_run_id: str | None
     version: str | None
     run_dir: Path | None = None
+    ended_by: str | None = None
+    reason: str | None = None
 
 
 def _run(cmd: list[str]) -> str:
@@ -66,20 +78,50 @@ def slurm_state(job_id: str, run=_run) -> tuple[str, int | None]:
     return (states[-1].split()[0] if states else "UNKNOWN"), None
 
 
+def _started_by(start: dict, job_id: str) -> bool:
+    """Whether a start of ``run.json`` came from SLURM job ``job_id`` (``<id>`` or ``<array id>_<task>``)."""
+    array, _, task = job_id.partition("_")
+    if task:
+        return start.get("SLURM_ARRAY_JOB_ID") == array and start.get("SLURM_ARRAY_TASK_ID") == task
+    return start.get("SLURM_JOB_ID") == job_id
+
+
 def restarts_from_record(info: dict, job_id: str) -> int | None:
     """The restart count of SLURM job ``job_id`` (``<id>`` or ``<array id>_<task>``) as the run recorded it: the
     highest ``SLURM_RESTART_COUNT`` among the starts of ``run.json`` made by that job, 0 for a job that started
     once; None when no start of the run came from it."""
-    array, _, task = job_id.partition("_")
-    counts = []
-    for start in info.get("starts") or []:
-        if task:
-            mine = start.get("SLURM_ARRAY_JOB_ID") == array and start.get("SLURM_ARRAY_TASK_ID") == task
-        else:
-            mine = start.get("SLURM_JOB_ID") == job_id
-        if mine and start.get("SLURM_PROCID", "0") == "0":
-            counts.append(int(start.get("SLURM_RESTART_COUNT") or 0))
+    counts = [int(start.get("SLURM_RESTART_COUNT") or 0) for start in info.get("starts") or []
+              if _started_by(start, job_id) and start.get("SLURM_PROCID", "0") == "0"]
     return max(counts) if counts else None
+
+
+def own_progress(record: dict, info: dict, checkpoints: list) -> tuple[int | None, str | None] | None:
+    """(step, version) of the job of ``record`` from its own records once a later job (or a local run) started
+    its run after it; None while none did (the run directory's state is then this job's).
+
+    Its step: the newest sealed step its teardown recorded, else the newest of ``checkpoints`` (the run's
+    complete ones) sealed before that later start; its version: the one its teardown recorded as finished, else
+    a completion of ``run.json`` between its first start and that later start. A job that never started: (None,
+    None)."""
+    job_id = str(record["job_id"])
+    starts = [st for st in info.get("starts") or [] if st.get("SLURM_PROCID", "0") == "0"]
+    mine = [float(st.get("time") or 0) for st in starts if _started_by(st, job_id)]
+    since = max(mine, default=float(record.get("submitted") or 0))
+    later = [float(st.get("time") or 0) for st in starts if not _started_by(st, job_id)
+             and float(st.get("time") or 0) > since]
+    if not later:
+        return None
+    own = read_record(Path(record["run_dir"]), job_id)
+    ends = own.get("starts") or []
+    if ends:
+        return ends[-1].get("newest_step"), own.get("version") if ends[-1].get("action") == "done" else None
+    if not mine:
+        return None, None
+    cutoff = min(later)
+    sealed = [ck.step for ck in checkpoints if float(ck.manifest.get("created") or 0) < cutoff]
+    versions = [c.get("version") for c in info.get("completions") or [info.get("completed") or {}]
+                if min(mine) <= float(c.get("time") or 0) < cutoff]
+    return (sealed[-1] if sealed else None), (versions[-1] if versions else None)
 
 
 def job_status(record: dict, known: tuple[str, int | None] | None = None) -> JobStatus:
@@ -94,18 +136,27 @@ def job_status(record: dict, known: tuple[str, int | None] | None = None) -> Job
     run_id_file = run_dir / "tracking" / "run_id"
     if restarts is None:
         restarts = restarts_from_record(info, record["job_id"])
-    return JobStatus(record["job_id"], state, restarts, ck[-1].step if ck else None, ck[-1].path if ck else None,
-                     run_id_file.read_text().strip() if run_id_file.exists() else None,
-                     (info.get("completed") or {}).get("version"), run_dir)
+    step, version = ck[-1].step if ck else None, (info.get("completed") or {}).get("version")
+    own = own_progress(record, info, ck)
+    if own is not None:  # a later job reused the run: show what this one did
+        step, version = own
+    checkpoint = next((c.path for c in ck if c.step == step), None)
+    last = (read_record(run_dir, record["job_id"]).get("starts") or [{}])[-1]
+    return JobStatus(record["job_id"], state, restarts, step, checkpoint,
+                     run_id_file.read_text().strip() if run_id_file.exists() else None, version, run_dir,
+                     ended_by=last.get("rule"), reason=last.get("reason"))
 
 
-def scancel(job_id: str) -> int:
-    """``scancel`` a job of this host's SLURM; its run directory and checkpoints are kept. Returns 0, or 1 with
-    scancel's message printed."""
+def scancel(job_id: str, secrets: Iterable[str | Path] = ()) -> int:
+    """``scancel`` a job of this host's SLURM; its run directory and checkpoints are kept, its ``secrets`` files
+    removed (a cancelled job's teardown may be killed before it removes them). Returns 0, or 1 with scancel's
+    message printed (nothing removed)."""
     proc = subprocess.run(["scancel", job_id], capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"error: scancel {job_id}: {proc.stderr.strip()}", file=sys.stderr)
         return 1
+    for path in secrets:
+        Path(path).unlink(missing_ok=True)
     print(f"cancelled {job_id}; its checkpoints are kept: submit the same job again to resume")
     return 0
 
@@ -181,11 +232,13 @@ class JobHandle:
     Attributes:
         job_id: SLURM job id.
         run_dir: the run directory (checkpoints, tracking, output).
+        secrets: the job's secrets file, None without secrets (:meth:`cancel` removes it).
     """
 
-    def __init__(self, job_id: str, run_dir: Path):
+    def __init__(self, job_id: str, run_dir: Path, secrets: Path | None = None):
         self.job_id = job_id
         self.run_dir = Path(run_dir)
+        self.secrets = secrets
 
     @property
     def run_id(self) -> str | None:
@@ -220,5 +273,5 @@ class JobHandle:
         return self.status().checkpoint
 
     def cancel(self) -> None:
-        """scancel the job (checkpoints kept)."""
-        scancel(self.job_id)
+        """scancel the job (checkpoints kept, its secrets file removed)."""
+        scancel(self.job_id, [self.secrets] if self.secrets else [])

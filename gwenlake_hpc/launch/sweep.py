@@ -14,7 +14,7 @@ from ..config import typed_launcher
 from ..errors import ConfigError, GwenlakeError
 from . import status as slurm_status
 from .slurm import (SlurmEntry, Submission, make_executor, step_parts, check_secrets, container_step, job_container,
-                    record_job, sbatch_parameters, with_declared, write_secrets)
+                    record_job, sbatch_parameters, secrets_files, with_declared, write_secrets)
 
 log = logging.getLogger("gwenlake_hpc.launch.sweep")
 
@@ -68,18 +68,25 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
             c["paths"]["model_repo"] = repo
     container_step(lc, containers[0], folder, write=False, others=containers[1:])  # refused before writing
     folder.mkdir(parents=True, exist_ok=True)
-    secrets = write_secrets(lc, folder)
-    step = container_step(lc, containers[0], folder, write=True, others=containers[1:])  # one image, one bundle
-    python, setup, teardown, srun_args = step_parts(lc, step, secrets)
-    ex = make_executor(folder / "%j", params, setup, teardown, python=python, srun_args=srun_args)
+    # one secrets file per task (several tasks: submitit submits an array), each removed when its task ends
+    secrets = write_secrets(lc, folder, tasks=len(containers))
     try:
-        with ex.batch():
-            jobs = [ex.submit(SlurmEntry(c)) for c in containers]
-    except Exception as exc:
-        raise GwenlakeError(f"sbatch failed: {exc}") from exc
+        step = container_step(lc, containers[0], folder, write=True, others=containers[1:])  # one image, one bundle
+        python, setup, teardown, srun_args = step_parts(lc, step, secrets, [p.run_dir for p in plans])
+        ex = make_executor(folder / "%j", params, setup, teardown, python=python, srun_args=srun_args)
+        try:
+            with ex.batch():
+                jobs = [ex.submit(SlurmEntry(c)) for c in containers]
+        except Exception as exc:
+            raise GwenlakeError(f"sbatch failed: {exc}") from exc
+    except BaseException:
+        for path in secrets_files(secrets, len(containers)):  # nothing submitted: no task will source them
+            path.unlink(missing_ok=True)
+        raise
     tasks = []
     for (overrides, _), p, job, c in zip(configs, plans, jobs, containers):
-        sub = Submission(job.job_id, p.run_dir, Path(job.paths.stdout), Path(job.paths.stderr), folder)
+        task_secrets = Path(str(secrets).replace("%a", job.job_id.rpartition("_")[2])) if secrets else None
+        sub = Submission(job.job_id, p.run_dir, Path(job.paths.stdout), Path(job.paths.stderr), folder, task_secrets)
         record_job(p, sub, c["job"]["target"], overrides)
         tasks.append({"job_id": job.job_id, "run_dir": str(p.run_dir), "overrides": overrides})
     array_id = tasks[0]["job_id"].split("_")[0]
