@@ -261,6 +261,24 @@ def test_the_teardown_counts_progress_from_the_checkpoints_and_removes_secrets_w
     assert record["starts"][-1]["rule"] == "launcher.max_retries" and record["stalled"] == 1
 
 
+def test_after_a_first_start_progress_is_told_by_step_numbers_not_by_clocks(tmp_path):
+    """The training's node may run behind the batch script's: a checkpoint sealed at 1050 by its clock, during a
+    start that began at 1100 by the other's, is still progress, since its step is past the previous start's."""
+    import json
+
+    run_dir = tmp_path / "runs" / "t.model" / "key1"
+    _sealed(run_dir, 10, 1000.0)
+    bin_dir = _fake_slurm(tmp_path, "RUNNING 0:40")
+    common = ["--max-retries", "0", "--signal-delay", "30", "--run-dir", str(run_dir)]
+    assert _teardown(tmp_path, bin_dir, 0, 75, *common, "--started", "900").returncode == 0
+    _sealed(run_dir, 20, 1050.0)  # sealed by a clock 50 s behind the batch script's
+    second = _teardown(tmp_path, bin_dir, 1, 75, *common, "--started", "1100")
+    assert second.returncode == 0, second.stderr
+    assert (tmp_path / "requeued").read_text().split() == ["42", "42"]
+    record = json.loads((run_dir / "slurm" / "42" / "teardown.json").read_text())
+    assert [(s["newest_step"], s["progressed"]) for s in record["starts"]] == [(10, True), (20, True)]
+
+
 def test_the_teardown_keeps_secrets_for_a_preemption_and_removes_them_after_a_scancel(tmp_path):
     """Both end the step with SLURM's state COMPLETING; a preempted job already shows its next restart
     (scontrol's Restarts) and no end time, a cancelled one its end time and no new restart."""

@@ -230,6 +230,19 @@ def ends_for_good(d: Decision, state: str | None, job_ref: str, restarts: int, r
     return slurm_requeues(job_ref, restarts) is False
 
 
+def _progressed(newest: tuple[int, float] | None, record: dict, started: float | None) -> bool | None:
+    """Whether this start sealed a newer checkpoint. After an earlier start of this job, by step numbers (no
+    clock involved); on the job's first start, by the seal time against the batch script's start (a node's
+    clock against another's: NTP keeps them within far less than a start lasts). None when unknown."""
+    earlier = [s.get("newest_step") for s in record.get("starts", []) if isinstance(s, dict)]
+    if earlier:
+        before = max((s for s in earlier if isinstance(s, int)), default=-1)
+        return newest is not None and newest[0] > before
+    if started is None:
+        return None
+    return newest is not None and newest[1] >= started
+
+
 def _completed_version(run_dir: Path) -> str | None:
     try:
         info = json.loads((Path(run_dir) / "run.json").read_text())
@@ -258,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     started = float(a.started) if re.fullmatch(r"\d+(\.\d+)?", a.started) else None
     record = read_record(run_dir, ref) if run_dir and restarts > 0 else {}  # a first start's: another job's id
     newest = newest_sealed(run_dir) if run_dir else None
-    progressed = None if run_dir is None or started is None else (newest is not None and newest[1] >= started)
+    progressed = _progressed(newest, record, started) if run_dir is not None else None
     before = int(record.get("stalled") or 0)
     stalled = None if progressed is None else 0 if progressed else before + 1
     d = decide(a.rc, restarts, a.max_retries, remaining, a.signal_delay, state, stalled, a.max_starts)
