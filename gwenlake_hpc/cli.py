@@ -74,6 +74,11 @@ def _subcommand_parser() -> argparse.ArgumentParser:
     rp.add_argument("run_dir", help="the run directory (<runs_root>/<model>/<run key>)")
     rp.add_argument("--out", help="PNG path (default <run_dir>/report.png)")
     rp.add_argument("--uri", help="tracking URI (default: the one the job used)")
+    from .report import SMOOTHING  # light: matplotlib and MLflow are imported when a report is drawn
+
+    rp.add_argument("--smoothing", type=float, default=SMOOTHING, metavar="WEIGHT",
+                    help="EMA weight in [0, 1) of the smoothed curves drawn over the faint raw ones, as "
+                         f"TensorBoard's (default {SMOOTHING}; 0: raw curves only)")
     st = sub.add_parser("status", help="jobs submitted from here: state, restarts, step, checkpoint, MLflow run")
     st.add_argument("--runs-root", default="runs", help="paths.runs_root (default ./runs)")
     st.add_argument("--all", action="store_true", help="also jobs that ended more than a day ago")
@@ -117,8 +122,8 @@ def run_subcommand(argv: Sequence[str]) -> int:
         if args.command == "report":
             from .report import report
 
-            out, marks = report(args.run_dir, args.out, args.uri)
-            print(f"wrote {out} ({len(marks)} restart(s) marked at steps {marks})")
+            out, marks = report(args.run_dir, args.out, args.uri, smoothing=args.smoothing)
+            print(f"wrote {out} ({len(marks)} restart(s) marked at steps {marks}; smoothing {args.smoothing:g})")
             return 0
         if args.command in ("status", "cancel", "logs"):
             from .launch import commands
@@ -188,7 +193,7 @@ def run_hydra(argv: Sequence[str]) -> int:
     """
     import hydra
 
-    from .config import conf_dir, register
+    from .config import check_group_choices, conf_dir, register
     from .signals import process_stop, release_early
 
     register()
@@ -222,6 +227,11 @@ def run_hydra(argv: Sequence[str]) -> int:
             print(f"error: {arg}: Hydra's override grammar takes non-ASCII characters only inside quotes; write "
                   f"{key}='{value}' (in a shell: \"{key}='{value}'\")", file=sys.stderr)
             return EXIT_USAGE
+    try:  # what Hydra would report with a traceback, or without naming the key
+        check_group_choices(argv, conf_dir())
+    except GwenlakeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     if ("-m" in argv or "--multirun" in argv) and "launcher=slurm" in argv \
             and not any(a.startswith("hydra/launcher=") for a in argv):
         argv.append("hydra/launcher=gwenlake_slurm")  # the sweep becomes one job array

@@ -214,8 +214,10 @@ class SlurmLauncherConfig(LauncherConfig):
         gpus_per_node: GPUs per node (``--gpus-per-node``); or ``gres`` such as ``gpu:a100:2``.
         mem_gb: memory per node in GB.
         signal_delay_s: seconds before the time limit at which SLURM sends SIGUSR2 (``--signal``).
-        max_retries: requeues after a time limit or a killed job step (preemptions are requeued by SLURM);
-            null: ``@train(max_retries=)``, else 3.
+        max_retries: starts in a row that sealed no newer checkpoint and still get requeued after a time limit or
+            a killed job step (a start that advanced the checkpoint resets the count; preemptions are requeued
+            by SLURM); null: ``@train(max_retries=)``, else 3.
+        max_starts: starts of one job in all, progress or not (the last one is not requeued).
         cpus_per_task, mem_gb, gres, env, secrets left null/empty take what ``@train(cpu=, memory=, gpu=, env=,
         secrets=)`` declared (:mod:`gwenlake_hpc.resources`).
         setup: shell lines run in the job before the training (module load, environment activation).
@@ -245,6 +247,7 @@ class SlurmLauncherConfig(LauncherConfig):
     exclude: Optional[str] = None
     signal_delay_s: int = 120
     max_retries: Optional[int] = None
+    max_starts: int = 100
     setup: List[str] = field(default_factory=list)
     additional_parameters: Dict[str, Any] = field(default_factory=dict)
     env: Dict[str, str] = field(default_factory=dict)
@@ -262,6 +265,7 @@ class SlurmLauncherConfig(LauncherConfig):
             raise ConfigError(f"launcher.signal_delay_s={self.signal_delay_s}: must be between 1 and the time limit "
                               f"({self.timeout_min * 60} s)")
         rules.whole_number("launcher.max_retries", self.max_retries, 0)
+        rules.whole_number("launcher.max_starts", self.max_starts, 1, "(starts of one job in all; 1: never requeued)")
         for key in ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node"):
             rules.whole_number(f"launcher.{key}", getattr(self, key), 1,
                                "(or null for the cluster's default)" if key not in ("nodes", "tasks_per_node") else "")
@@ -282,18 +286,6 @@ class SlurmLauncherConfig(LauncherConfig):
             if not isinstance(v, (str, int, float, bool)):
                 raise ConfigError(f"launcher.additional_parameters.{k}: give a single value, not {type(v).__name__}")
             rules.single_line(f"launcher.additional_parameters.{k}", v, "sbatch options")
-
-
-@dataclass
-class GwenlakeConfig:
-    """The whole configuration of a run (``python -m gwenlake_hpc --cfg job`` prints it)."""
-
-    job: JobConfig = field(default_factory=JobConfig)
-    paths: PathsConfig = field(default_factory=PathsConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    statsd: StatsdConfig = field(default_factory=StatsdConfig)
-    launcher: Any = MISSING
-    cluster: Any = None  # a ClusterConfig when cluster=NAME selects conf/cluster/NAME.yaml
 
 
 @dataclass
@@ -335,6 +327,23 @@ class ClusterConfig:
     connect_timeout_s: float = 20.0
 
 
+@dataclass
+class GwenlakeConfig:
+    """The whole configuration of a run (``python -m gwenlake_hpc --cfg job`` prints it).
+
+    ``cluster`` is typed here, so Hydra merges ``conf/cluster/NAME.yaml`` onto :class:`ClusterConfig` whether or
+    not the file names ``cluster_schema``: its keys are checked and the ones it leaves out (``launcher.*``...)
+    take their defaults. ``launcher`` stays untyped: its schema depends on ``launcher.name``.
+    """
+
+    job: JobConfig = field(default_factory=JobConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    statsd: StatsdConfig = field(default_factory=StatsdConfig)
+    launcher: Any = MISSING
+    cluster: Optional[ClusterConfig] = None  # set by cluster=NAME (conf/cluster/NAME.yaml)
+
+
 def typed(cfg: Any) -> GwenlakeConfig:
     """The composed config ``cfg`` (a DictConfig from Hydra, or a plain mapping such as the config a SLURM job
     receives) as a :class:`GwenlakeConfig` of dataclasses, every ``__post_init__`` check run.
@@ -371,13 +380,21 @@ def typed(cfg: Any) -> GwenlakeConfig:
 
 def _node_object(sub: Any, schema: type, key: str) -> Any:
     """One node of the config as an instance of ``schema`` (its checks run); its errors name ``key``."""
+    from omegaconf import OmegaConf
+
+    with _as_config_error(f"{key}."):
+        return OmegaConf.to_object(_schema_node(sub, schema))
+
+
+def _schema_node(sub: Any, schema: type) -> Any:
+    """``sub`` (a DictConfig) as a DictConfig typed by ``schema``: itself when Hydra typed it already (its file
+    named the schema), else merged onto the schema's defaults (OmegaConf's errors pass unchanged)."""
     from omegaconf import DictConfig, OmegaConf
 
     typed_as = OmegaConf.get_type(sub) if isinstance(sub, DictConfig) else None
-    with _as_config_error(f"{key}."):
-        if not (isinstance(typed_as, type) and issubclass(typed_as, schema)):
-            sub = OmegaConf.merge(OmegaConf.structured(schema), sub)
-        return OmegaConf.to_object(sub)
+    if isinstance(typed_as, type) and issubclass(typed_as, schema):
+        return sub
+    return OmegaConf.merge(OmegaConf.structured(schema), sub)
 
 
 def typed_cluster(cc: Any) -> ClusterConfig:
@@ -415,6 +432,77 @@ def typed_launcher(lc: Any) -> SlurmLauncherConfig:
                         "launcher")
 
 
+def launcher_node(lc: Any) -> Any:
+    """A copy of the SLURM launcher settings ``lc`` (a DictConfig, a mapping or a :class:`SlurmLauncherConfig`)
+    as a DictConfig typed by :class:`SlurmLauncherConfig`, every key present, so keys may be set on it (a
+    launcher file that does not name ``slurm_schema`` composes to an untyped node holding only its own keys,
+    where setting another fails). ``lc`` is not changed.
+
+    Raises:
+        ConfigError: a wrong type or an unknown key, named ``launcher.KEY``.
+    """
+    import copy
+
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(lc, SlurmLauncherConfig):
+        return OmegaConf.structured(lc)
+    with _as_config_error("launcher."):
+        node = _schema_node(lc if isinstance(lc, DictConfig) else OmegaConf.create(dict(lc)), SlurmLauncherConfig)
+    return copy.deepcopy(node) if node is lc else node
+
+
+#: The config groups a command line chooses files of, and the schema each file's keys follow (a launcher file
+#: is checked against the SLURM launcher's, the larger one: unknown keys are the schema's own error).
+GROUP_SCHEMAS = {"job": JobConfig, "launcher": SlurmLauncherConfig, "cluster": ClusterConfig}
+
+
+def check_group_choices(overrides: Any, root: Path) -> None:
+    """Refuse a ``GROUP=null`` override and a group file (``conf/GROUP/NAME.yaml`` under ``root``) of the wrong
+    shape, where Hydra's own error would be a traceback or name no key: a file that is not a mapping of keys, a
+    value that is not a mapping where the schema has a section (``cluster.launcher``, ``launcher.container``).
+    Missing or unreadable files, and every other mistake, are left to Hydra and the schemas.
+
+    Raises:
+        ConfigError: naming the override or the key, and the fix.
+    """
+    import yaml
+
+    for ov in overrides:
+        key, eq, name = str(ov).lstrip("+").partition("=")
+        if not eq or key not in GROUP_SCHEMAS:
+            continue
+        if name.strip() in ("null", ""):
+            raise ConfigError(f"{ov}: {key} takes the name of a file conf/{key}/NAME.yaml"
+                              + ("; leave cluster= out to run without a cluster" if key == "cluster" else ""))
+        path = root / key / f"{name}.yaml"
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, ValueError, yaml.YAMLError):
+            continue
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(f"{key} ({path}): the file holds a {type(data).__name__}, not a mapping: write one "
+                              f"KEY: VALUE line per setting")
+        _check_sections(data or {}, GROUP_SCHEMAS[key], key)
+
+
+def _check_sections(data: dict, schema: type, prefix: str) -> None:
+    """Refuse a value of ``data`` that is not a mapping where ``schema`` has a section (a dataclass field)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    for name, value in data.items():
+        kind = hints.get(name)
+        kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)  # Optional[X] -> X
+        if not dataclasses.is_dataclass(kind) or value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"{prefix}.{name}={value!r}: give a section, its keys indented on the lines under "
+                              f"`{name}:` (the keys of {kind.__name__})")
+        _check_sections(value, kind, f"{prefix}.{name}")
+
+
 _ROOT_KEYS = tuple(f"{f}." for f in ("job", "paths", "tracking", "statsd", "launcher", "cluster"))
 
 
@@ -435,7 +523,7 @@ class _as_config_error:
             return False
         key = str(getattr(exc, "full_key", "") or "")
         if not key.startswith(_ROOT_KEYS):  # a node still in the whole config names its path already
-            key = self.prefix + key
+            key = (self.prefix + key).rstrip(".")  # an error on the node itself has no key of its own
         if isinstance(exc, MissingMandatoryValue):
             raise ConfigError(f"{key} is not set: give it in the config file or on the command line ({key}=...)") \
                 from None
@@ -449,7 +537,8 @@ def register() -> None:
     # conf/launcher/<name>.yaml files extend these (defaults: [slurm_schema, _self_]).
     cs.store(group="launcher", name="local_schema", node=LauncherConfig)
     cs.store(group="launcher", name="slurm_schema", node=SlurmLauncherConfig)
-    # conf/cluster/<name>.yaml files extend this one (defaults: [cluster_schema, _self_]).
+    # GwenlakeConfig.cluster is typed already; conf/cluster/<name>.yaml files may still name this one
+    # (defaults: [cluster_schema, _self_]), as older files and the example do.
     cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
 
 

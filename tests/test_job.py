@@ -67,6 +67,7 @@ def test_sigterm_at_random_step_resumes_bit_identical(project):
     assert newest == f"step-{evict_step:09d}"
     client, runs = mlflow_runs(project)
     assert [r.info.status for r in runs] == ["KILLED"]
+    assert runs[0].data.tags["gwenlake.evicted_at_step"] == str(evict_step)
 
     resumed = project.run("+job=t", check=0)
     assert "resuming from step" in resumed.stdout + resumed.stderr
@@ -77,6 +78,9 @@ def test_sigterm_at_random_step_resumes_bit_identical(project):
     client, runs = mlflow_runs(project)
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert runs[0].data.tags["gwenlake.version"] == version
+    # a finished run is not "evicted": the last eviction is kept as history under another name
+    assert "gwenlake.evicted_at_step" not in runs[0].data.tags
+    assert runs[0].data.tags["gwenlake.last_evicted_at_step"] == str(evict_step)
     assert_one_point_per_step(client, runs[0].info.run_id, "loss", range(1, 61))
     # checkpoint metrics: every eval step, plus the checkpoint written on eviction
     assert_one_point_per_step(client, runs[0].info.run_id, "train_loss", sorted({*range(10, 61, 10), evict_step}))
@@ -94,9 +98,11 @@ def test_sigterm_at_random_step_resumes_bit_identical(project):
     assert version_of(again) == version
     assert "nothing to train" in again.stdout + again.stderr
 
-    report = project.run("report", str(run_dir), check=0)
-    assert f"restart(s) marked at steps [{evict_step + 1}]" in report.stdout
+    report = project.run("report", str(run_dir), "--smoothing", "0.9", check=0)
+    assert f"restart(s) marked at steps [{evict_step + 1}]; smoothing 0.9" in report.stdout
     assert (run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((run_dir / "report.json").read_text()) == {"restarts_at_step": [evict_step + 1],
+                                                                 "smoothing": 0.9}
 
 
 @pytest.mark.slow

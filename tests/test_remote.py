@@ -48,6 +48,12 @@ def cluster_yaml(sshd: SshServer, remote: Path, **extra) -> str:
     return "\n".join(lines) + "\n"
 
 
+def user_cluster_yaml(sshd: SshServer, remote: Path) -> str:
+    """The file a user writes from the README's list of keys: these seven, no defaults list, no launcher."""
+    return (f"host: 127.0.0.1\nport: {sshd.port}\nuser: {sshd.user}\nkey_file: {sshd.client_key}\n"
+            f"known_hosts: {sshd.known_hosts}\nremote_dir: {remote}\npython: {sys.executable}\n")
+
+
 class Remote:
     """The workstation (``ws``, a Project) and the cluster's checkout (``remote``)."""
 
@@ -322,7 +328,8 @@ def test_proxy_jump_through_a_bastion(rc):
 @pytest.mark.slow
 def test_done_when_churn_from_a_workstation_clone_through_sshd(sshd, tmp_path):
     """The issue's "Done when": one command on a workstation clone submits the churn job through sshd to the
-    cluster, and the model's lineage names the exact commit that trained it."""
+    cluster, and the model's lineage names the exact commit that trained it. The cluster file is the one a user
+    writes from the README (no schema line, no launcher keys): the schema and its defaults apply all the same."""
     origin = make_churn_project(tmp_path / "origin", message="churn project").root
     cluster_dir = tmp_path / "cluster" / "churn"
     git(tmp_path, "clone", "-q", str(origin), str(cluster_dir))
@@ -332,7 +339,7 @@ def test_done_when_churn_from_a_workstation_clone_through_sshd(sshd, tmp_path):
     git(ws_dir, "add", "README.md")
     git(ws_dir, "commit", "-q", "-m", "workstation commit")
     head = git(ws_dir, "rev-parse", "HEAD")
-    (ws_dir / "conf" / "cluster" / "test.yaml").write_text(cluster_yaml(sshd, cluster_dir))
+    (ws_dir / "conf" / "cluster" / "test.yaml").write_text(user_cluster_yaml(sshd, cluster_dir))
     ws = Project(ws_dir)
     t0 = time.monotonic()
     proc = ws.run("+job=churn", "cluster=test", "job.steps=300", "cluster.launcher.wait=true", check=0, timeout=900)

@@ -38,7 +38,7 @@ from typing import Any, Mapping, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import typed_cluster, typed_launcher
+from ..config import launcher_node, typed_cluster, typed_launcher
 from ..errors import EXIT_USAGE, ConfigError, GwenlakeError
 from ..resources import Resources
 from ..rules import has_control
@@ -46,7 +46,7 @@ from .container import ContainerStep, prepare
 from .records import JOBS_INDEX, job_records
 from .remote_jobs import wait_remote
 from .ship import check_remote, local_code, make_worktree, send_commit, setup_script
-from .slurm import (check_secrets, max_retries, sbatch_parameters, setup_lines, teardown_lines,
+from .slurm import (check_secrets, max_retries, sbatch_parameters, setup_lines, teardown_args, teardown_lines,
                     with_declared)
 from .ssh import RemoteCommandError, SshConnection, SshTarget
 
@@ -109,11 +109,17 @@ def job_overrides(task_overrides: Sequence[str]) -> list[str]:
 
 
 def effective_launcher(cfg: DictConfig, task_overrides: Sequence[str]) -> DictConfig:
-    """The sbatch settings: ``cluster.launcher`` (validated by Hydra against ``launcher=slurm``'s schema), then
-    any ``launcher.KEY=`` override of the command line when ``launcher=slurm`` is given too."""
-    from ..config import SlurmLauncherConfig
+    """The sbatch settings, a new DictConfig typed by ``launcher=slurm``'s schema: ``cluster.launcher`` (the
+    cluster file's keys over that schema's defaults), then any ``launcher.KEY=`` override of the command line
+    when ``launcher=slurm`` is given too.
 
-    lc = OmegaConf.merge(OmegaConf.structured(SlurmLauncherConfig), cfg.cluster.launcher)
+    Raises:
+        ConfigError: no ``cluster`` node, or a launcher value of a wrong type (named ``launcher.KEY``).
+    """
+    cluster = cfg.get("cluster")
+    if cluster is None:
+        raise ConfigError("no cluster given: add cluster=NAME (a file conf/cluster/NAME.yaml)")
+    lc = launcher_node(cluster.get("launcher") or {})
     if cfg.launcher.get("name") == "slurm":
         for ov in task_overrides:
             key = _override_key(ov)
@@ -176,12 +182,13 @@ def render_remote_script(lc: Any, cc: Any, job_name: str, worktree: str, run_dir
     if patch_file:  # the uncommitted diff applied in the worktree (cluster.allow_dirty), for the lineage
         setup.append(f"export GWENLAKE_CODE_PATCH={shlex.quote(patch_file)}")
         setup.append(f"export GWENLAKE_CODE_PATCH_SHA256={shlex.quote(posixpath.basename(patch_file)[:-5])}")
-    teardown = teardown_lines(lc, python=str(cc.python))
+    teardown = teardown_lines(lc, python=str(cc.python), run_dir=run_dir)  # its checkpoints tell progress
     srun_args: list[str] = []
     if container:
         setup += list(container["setup"])
         srun_args = list(container["srun_args"])
-        teardown = ContainerStep(**container).teardown(max_retries(lc), typed_launcher(lc).signal_delay_s)
+        teardown = ContainerStep(**container).teardown(max_retries(lc), typed_launcher(lc).signal_delay_s,
+                                                       teardown_args(lc, run_dir))
     return render_sbatch(command, f"{run_dir}/slurm", params, setup=setup, teardown=teardown, srun_args=srun_args)
 
 
