@@ -234,8 +234,11 @@ def test_logs_follow_recovers_from_a_dropped_connection(rc):
 
 
 def test_cancel_over_ssh_keeps_checkpoints(rc):
-    job, _ = rc.submit("+cluster.launcher.env.GWL_TEST_SLEEP=0.3")
+    job, _ = rc.submit("+cluster.launcher.env.GWL_TEST_SLEEP=0.3", "cluster.launcher.secrets=[GWL_TEST_SECRET]",
+                       env={"GWL_TEST_SECRET": "s3cr3t"})
     record = rc.job_record(job)
+    secrets_file = Path(record["secrets_file"])
+    assert secrets_file.parent == rc.remote / ".gwenlake" / "secrets" and secrets_file.exists()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not list(Path(record["run_dir"]).glob("checkpoints/step-*")):
         time.sleep(0.3)
@@ -246,6 +249,7 @@ def test_cancel_over_ssh_keeps_checkpoints(rc):
     final = wait_remote(record, timeout_s=120, poll_s=0.5)
     assert final.state.startswith("CANCELLED") and final.step is not None and final.step >= 10
     assert final.version is None
+    assert not secrets_file.exists()  # removed by `cancel`, whether or not the cancelled job's teardown ran
 
 
 def test_hostile_values_run_nothing_and_secrets_stay_out_of_scripts(rc, tmp_path):
@@ -262,10 +266,11 @@ def test_hostile_values_run_nothing_and_secrets_stay_out_of_scripts(rc, tmp_path
     assert not list(Path("/tmp").glob(marker.name + "*"))  # and ran nothing, on submission nor in the job
     scripts = list((rc.remote / ".gwenlake" / "scripts").glob("*.sbatch"))
     assert len(scripts) == 1 and secret not in scripts[0].read_text()
-    secrets = list((rc.remote / ".gwenlake" / "secrets").glob("*.env"))
-    assert len(secrets) == 1 and secrets[0].read_text() == f"GWL_TEST_SECRET={secret}\n"
-    assert stat.S_IMODE(secrets[0].stat().st_mode) == 0o600
-    assert stat.S_IMODE(secrets[0].parent.stat().st_mode) == 0o700
+    # the job's secrets file is gone once the job COMPLETED (its teardown removed it); its folder stays private
+    secrets_file = Path(rc.job_record(job)["secrets_file"])
+    assert secrets_file.parent == rc.remote / ".gwenlake" / "secrets" and not secrets_file.exists()
+    assert stat.S_IMODE(secrets_file.parent.stat().st_mode) == 0o700
+    assert rc.lineage(version)["run_name"] == name and list(secrets_file.parent.iterdir()) == []
     assert secret not in (rc.ws.root / "runs" / ".gwenlake-jobs.jsonl").read_text()
     assert secret not in logs and secret not in proc.stdout + proc.stderr
 
@@ -297,6 +302,11 @@ def test_failed_upload_leaves_no_partial_file(rc):
         assert os.listdir(folder) == []  # neither the final name nor the temporary one
         conn.write_atomic(str(folder / "job.sbatch"), b"#!/bin/bash\ntrue\n")
         assert os.listdir(folder) == ["job.sbatch"]
+        # how a submission writes its secrets: the file 0600, its folder 0700
+        private = rc.remote / ".gwenlake" / "secrets" / "x.env"
+        conn.write_private(str(private), "GWL_TEST_SECRET=s3cr3t\n")
+        assert private.read_text() == "GWL_TEST_SECRET=s3cr3t\n"
+        assert stat.S_IMODE(private.stat().st_mode) == 0o600 and stat.S_IMODE(private.parent.stat().st_mode) == 0o700
 
 
 def test_status_commands_reconnect_after_a_drop(rc):

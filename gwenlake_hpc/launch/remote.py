@@ -70,6 +70,8 @@ class RemoteSubmission:
         stdout, stderr: the job's log files on the cluster (job id filled in).
         script: the uploaded sbatch script on the cluster.
         patch_sha256: sha256 of the uncommitted diff sent along (``allow_dirty``), else None.
+        secrets_file: the job's 0600 secrets file on the cluster (its path; the job's teardown removes it when
+            the job ends for good, ``cancel`` at once), else None.
     """
 
     job_id: str
@@ -81,6 +83,7 @@ class RemoteSubmission:
     stderr: str
     script: str
     patch_sha256: str | None = None
+    secrets_file: str | None = None
 
 
 # --- configuration ----------------------------------------------------------------------------------------------
@@ -182,13 +185,15 @@ def render_remote_script(lc: Any, cc: Any, job_name: str, worktree: str, run_dir
     if patch_file:  # the uncommitted diff applied in the worktree (cluster.allow_dirty), for the lineage
         setup.append(f"export GWENLAKE_CODE_PATCH={shlex.quote(patch_file)}")
         setup.append(f"export GWENLAKE_CODE_PATCH_SHA256={shlex.quote(posixpath.basename(patch_file)[:-5])}")
-    teardown = teardown_lines(lc, python=str(cc.python), run_dir=run_dir)  # its checkpoints tell progress
+    secrets = Path(secrets_file) if secrets_file else None  # removed by the teardown when the job ends for good
+    teardown = teardown_lines(lc, python=str(cc.python), run_dir=run_dir,  # its checkpoints tell progress
+                              secrets=secrets)  # type: ignore[arg-type]
     srun_args: list[str] = []
     if container:
         setup += list(container["setup"])
         srun_args = list(container["srun_args"])
         teardown = ContainerStep(**container).teardown(max_retries(lc), typed_launcher(lc).signal_delay_s,
-                                                       teardown_args(lc, run_dir))
+                                                       teardown_args(lc, run_dir, secrets))
     return render_sbatch(command, f"{run_dir}/slurm", params, setup=setup, teardown=teardown, srun_args=srun_args)
 
 
@@ -284,7 +289,7 @@ def submit_remote(cfg: DictConfig, cluster_name: str, task_overrides: Sequence[s
     sub = RemoteSubmission(job_id=job_id, cluster=cluster_name, commit=code.commit, worktree=worktree, run_dir=run_dir,
                            stdout=f"{run_dir}/slurm/{job_id}_0_log.out",
                            stderr=f"{run_dir}/slurm/{job_id}_0_log.err", script=script_path,
-                           patch_sha256=digest)
+                           patch_sha256=digest, secrets_file=secrets_file)
     record_remote_job(_local_runs_root(cfg, cwd), sub, target, facts, overrides)
     return sub
 
@@ -304,7 +309,7 @@ def record_remote_job(runs_root: Path, sub: RemoteSubmission, target: SshTarget,
               "target": facts.get("target"), "submitted": time.time(), "stdout": sub.stdout, "stderr": sub.stderr,
               "folder": posixpath.dirname(sub.stdout), "overrides": list(overrides), "cluster": sub.cluster,
               "ssh": target.to_dict(), "commit": sub.commit, "worktree": sub.worktree, "script": sub.script,
-              "patch_sha256": sub.patch_sha256}
+              "patch_sha256": sub.patch_sha256, "secrets_file": sub.secrets_file}
     runs_root.mkdir(parents=True, exist_ok=True)
     with open(runs_root / JOBS_INDEX, "a") as fh:
         fh.write(json.dumps(record) + "\n")

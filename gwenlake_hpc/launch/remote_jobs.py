@@ -100,12 +100,15 @@ def print_remote_logs(record: dict, follow: bool = False, stderr: bool = False, 
 
 
 def cancel_remote(record: dict) -> int:
-    """``scancel`` a remote job over SSH (checkpoints kept); returns the exit status."""
+    """``scancel`` a remote job over SSH (checkpoints kept) and remove its secrets file (a cancelled job's
+    teardown may be killed before it does); returns the exit status."""
     conn = _conn(record)
     rc, _, err = conn.run(["scancel", record["job_id"]], check=False, timeout_s=60)
     if rc != 0:
         print(f"error: scancel {record['job_id']} on {record['cluster']}: {err.strip()}", file=sys.stderr)
         return 1
+    if record.get("secrets_file"):
+        conn.run(["rm", "-f", "--", str(record["secrets_file"])], check=False, timeout_s=60)
     print(f"cancelled {record['job_id']} on {record['cluster']}; its checkpoints are kept: submit the same job "
           "again to resume")
     return 0
