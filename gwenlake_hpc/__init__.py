@@ -15,14 +15,17 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "train": ".api", "Input": ".api", "Output": ".api", "Model": ".api", "TrainFunction": ".api",
-    "default_device": ".device",
-    "CheckpointError": ".errors", "ConfigError": ".errors", "DataError": ".errors", "GwenlakeError": ".errors",
-    "LoadedModel": ".registry", "load_model": ".registry", "save_model": ".registry",
-    "Run": ".run", "ShieldedWorkerInit": ".rng", "log_metrics": ".current", "current_run": ".current",
-    "checkpoint": ".current", "last_checkpoint_path": ".current", "log_rollout": ".current",
-    "load_state": ".checkpoints.state", "save_state": ".checkpoints.state",
-    "log_custom_metric": ".tracking.custom_metrics",
+    "train": ".decorator", "Input": ".decorator", "Output": ".decorator", "Model": ".decorator",
+    "TrainFunction": ".decorator",
+    "default_device": ".runtime.device",
+    "CheckpointError": ".base.errors", "ConfigError": ".base.errors", "DataError": ".base.errors",
+    "GwenlakeError": ".base.errors",
+    "LoadedModel": ".stores.registry", "load_model": ".stores.registry", "save_model": ".stores.registry",
+    "Run": ".runtime.run", "ShieldedWorkerInit": ".runtime.rng", "log_metrics": ".runtime.current",
+    "current_run": ".runtime.current", "checkpoint": ".runtime.current",
+    "last_checkpoint_path": ".runtime.current", "log_rollout": ".runtime.current",
+    "load_state": ".stores.checkpoints.state", "save_state": ".stores.checkpoints.state",
+    "log_custom_metric": ".stores.tracking.custom_metrics",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -1,4 +1,4 @@
-"""``python -m gwenlake_hpc``: see :mod:`gwenlake_hpc.cli`."""
+"""``python -m gwenlake_hpc``: see :mod:`gwenlake_hpc.cli.dispatch`."""
 
 import sys
 

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import ConfigError, GwenlakeError
+from ..base.errors import ConfigError, GwenlakeError
 from .records import job_records
 from .status import FINAL_STATES, JobStatus, job_status, scancel, slurm_state
 

@@ -10,7 +10,7 @@
 
 Both: the runs, data and model-repository roots, the job's folder and the submitting directory are bound at
 the same paths; the batch script computes the image's identity on the host at every start (a requeue runs it
-again) and exports it for the job (:mod:`gwenlake_hpc.run_environment`), and the requeue teardown runs on the
+again) and exports it for the job (:mod:`gwenlake_hpc.job.run_environment`), and the requeue teardown runs on the
 host with its ``python3`` from a copy of :mod:`gwenlake_hpc.launch.requeue` (standard library only).
 """
 
@@ -27,11 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from .. import rules
-from ..config import ContainerConfig, typed_launcher
-from ..errors import ConfigError
-from ..run_environment import (ENV_DIGEST, ENV_HOST_MNT_NS, ENV_IMAGE, ENV_PIN, ENV_RUNTIME,
-                               ENV_RUNTIME_VERSION)
+from ..base import rules
+from ..job.config import ContainerConfig, typed_launcher
+from ..base.errors import ConfigError
+from ..job.run_environment import ENV_DIGEST, ENV_HOST_MNT_NS, ENV_IMAGE, ENV_PIN, ENV_RUNTIME, ENV_RUNTIME_VERSION
 
 log = logging.getLogger("gwenlake_hpc.launch.container")
 

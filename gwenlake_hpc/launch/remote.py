@@ -38,10 +38,10 @@ from typing import Any, Mapping, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import launcher_node, typed_cluster, typed_launcher
-from ..errors import EXIT_USAGE, ConfigError, GwenlakeError
-from ..resources import Resources
-from ..rules import has_control
+from ..job.config import launcher_node, typed_cluster, typed_launcher
+from ..base.errors import EXIT_USAGE, ConfigError, GwenlakeError
+from ..authoring.resources import Resources
+from ..base.rules import has_control
 from .container import ContainerStep, prepare
 from .records import JOBS_INDEX, job_records
 from .remote_jobs import wait_remote
@@ -366,8 +366,8 @@ def _plan_main(overrides: list[str]) -> int:
     """On the cluster, in the job's worktree: compose the config, plan the job, print its facts as JSON."""
     from hydra import compose, initialize_config_dir
 
-    from ..config import conf_dir, register
-    from ..plan import check_resume_point, plan
+    from ..job.config import conf_dir, register
+    from ..job.plan import check_resume_point, plan
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     register()

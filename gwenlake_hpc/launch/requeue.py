@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-#: The exit status of an evicted training (:data:`gwenlake_hpc.errors.EXIT_EVICTED`; a test checks they agree).
+#: The exit status of an evicted training (:data:`gwenlake_hpc.base.errors.EXIT_EVICTED`; a test checks they agree).
 EXIT_EVICTED = 75
 #: ``launcher.max_starts`` by default: starts of one job in all, progress or not.
 DEFAULT_MAX_STARTS = 100

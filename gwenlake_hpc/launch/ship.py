@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, GwenlakeError
-from ..versioning.gitcmd import run_git
+from ..base.errors import ConfigError, GwenlakeError
+from ..stores.versioning.gitcmd import run_git
 from .ssh import SshConnection
 
 log = logging.getLogger("gwenlake_hpc.launch.remote")
@@ -76,7 +76,7 @@ def local_code(cwd: Path, allow_dirty: bool) -> LocalCode:
 # --- the cluster side ---------------------------------------------------------------------------------------------
 
 def setup_script(cc: Any) -> str:
-    """``cluster.setup`` (of a :class:`gwenlake_hpc.config.ClusterConfig`) as script lines, each ending with a
+    """``cluster.setup`` (of a :class:`gwenlake_hpc.job.config.ClusterConfig`) as script lines, each ending with a
     newline."""
     return "".join(f"{line}\n" for line in cc.setup)
 

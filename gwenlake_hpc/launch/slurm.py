@@ -22,9 +22,9 @@ from typing import Any, Mapping, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from .. import rules
-from ..config import launcher_node, typed_launcher
-from ..errors import EXIT_EVICTED, ConfigError, GwenlakeError
+from ..base import rules
+from ..job.config import launcher_node, typed_launcher
+from ..base.errors import EXIT_EVICTED, ConfigError, GwenlakeError
 from .records import record_job
 
 log = logging.getLogger("gwenlake_hpc.launch.slurm")
@@ -43,7 +43,7 @@ class SlurmEntry:
         self.cfg = dict(cfg)
 
     def __call__(self) -> dict[str, Any]:
-        from ..signals import StopRequest, process_stop
+        from ..base.signals import StopRequest, process_stop
 
         # Our handlers, never submitit's: SLURM may send the time-limit warning seconds after the start, and
         # submitit's own handler would end the job there ("timed-out too many times"). Started by
@@ -61,7 +61,7 @@ class SlurmEntry:
             stop.uninstall()
 
     def _run(self, stop: Any) -> dict[str, Any]:
-        from ..job import execute
+        from ..job.execute import execute
 
         cfg = OmegaConf.create(self.cfg)
         s = typed_launcher(cfg.launcher)  # in the job: its loop runs here, with the progress settings it had
@@ -84,7 +84,7 @@ def max_retries(lc: Any) -> int:
     """``launcher.max_retries``, or :data:`DEFAULT_MAX_RETRIES` when it is null.
 
     Raises:
-        ConfigError: a negative or non-integer value (:func:`gwenlake_hpc.rules.whole_number`).
+        ConfigError: a negative or non-integer value (:func:`gwenlake_hpc.base.rules.whole_number`).
     """
     value = typed_launcher(lc).max_retries
     return DEFAULT_MAX_RETRIES if value is None else value
@@ -92,8 +92,8 @@ def max_retries(lc: Any) -> int:
 
 def with_declared(lc: Any, res: Any) -> Any:
     """A copy of the launcher config ``lc`` (a DictConfig typed by the SLURM launcher's schema, see
-    :func:`gwenlake_hpc.config.launcher_node`) with the resources ``res`` declared on ``@train`` (a
-    :class:`gwenlake_hpc.resources.Resources`, or None) filled in where ``lc`` leaves them null:
+    :func:`gwenlake_hpc.job.config.launcher_node`) with the resources ``res`` declared on ``@train`` (a
+    :class:`gwenlake_hpc.authoring.resources.Resources`, or None) filled in where ``lc`` leaves them null:
     ``cpus_per_task``, ``mem_gb``, ``gres`` (unless ``gpus_per_node`` is set), ``max_retries``,
     ``container.image``; ``env`` merged
     under ``launcher.env``; ``secrets`` added to ``launcher.secrets``. The job config and the command line
@@ -102,7 +102,7 @@ def with_declared(lc: Any, res: Any) -> Any:
     Raises:
         ConfigError: ``lc`` has a wrong type or an unknown key (named ``launcher.KEY``).
     """
-    from ..resources import launcher_defaults
+    from ..authoring.resources import launcher_defaults
 
     out = launcher_node(lc)  # typed, so keys the launcher file left out can be set
     if res is None:
@@ -127,7 +127,7 @@ def with_declared(lc: Any, res: Any) -> Any:
 def sbatch_parameters(lc: Any, job_name: str) -> dict[str, Any]:
     """submitit ``SlurmExecutor`` parameters from the launcher config ``lc`` (``launcher`` or
     ``cluster.launcher``, after :func:`with_declared`), read as a :class:`SlurmLauncherConfig` whose rules
-    (:mod:`gwenlake_hpc.config`) check every value.
+    (:mod:`gwenlake_hpc.job.config`) check every value.
 
     Raises:
         ConfigError: a value with control characters, a bad option name, bad numbers (named by key).
@@ -335,8 +335,8 @@ def submit(cfg: DictConfig) -> Submission | None:
         ConfigError: bad launcher values, missing secrets, a job config error found at planning.
         GwenlakeError: ``sbatch`` failed (its message is included).
     """
-    from ..plan import check_resume_point, plan
-    from ..tracking import is_sqlite
+    from ..job.plan import check_resume_point, plan
+    from ..stores.tracking import is_sqlite
 
     p = plan(cfg)
     check_resume_point(p)  # refused here, not after hours in the queue
@@ -388,7 +388,7 @@ def submit_training(target: str, overrides: Sequence[str], job: str | None = Non
     """
     from hydra import compose, initialize_config_dir
 
-    from ..config import conf_dir, register
+    from ..job.config import conf_dir, register
     from .status import JobHandle
 
     from hydra.errors import HydraException
@@ -422,7 +422,7 @@ def job_container(cfg: DictConfig, tracking_uri: str | None, fill_model_repo: bo
     container.pop("hydra", None)
     container["paths"] = {k: (str(Path(v).expanduser().resolve()) if v else v) for k, v in container["paths"].items()}
     if not container["paths"].get("model_repo") and fill_model_repo:
-        from ..versioning import default_model_repo
+        from ..stores.versioning import default_model_repo
 
         container["paths"]["model_repo"] = str(default_model_repo(Path.cwd()))
     container["job"]["target"] = _absolute_target(container["job"]["target"])

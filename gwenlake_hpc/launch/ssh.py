@@ -30,8 +30,8 @@ from typing import IO, Any, Callable, Mapping, Sequence, TypeVar
 
 import paramiko
 
-from ..errors import ConfigError, GwenlakeError
-from ..rules import has_control
+from ..base.errors import ConfigError, GwenlakeError
+from ..base.rules import has_control
 
 log = logging.getLogger("gwenlake_hpc.launch.ssh")
 logging.getLogger("paramiko").setLevel(logging.WARNING)  # "Connected", "Authentication successful" at INFO
@@ -88,7 +88,7 @@ class SshTarget:
 
     @classmethod
     def from_config(cls, cc: Any, name: str) -> "SshTarget":
-        """Validate a ``cluster`` config node (see :class:`gwenlake_hpc.config.ClusterConfig`).
+        """Validate a ``cluster`` config node (see :class:`gwenlake_hpc.job.config.ClusterConfig`).
 
         Raises:
             ConfigError: a missing or malformed field, naming ``cluster.<field>`` and the fix.

@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoints import CheckpointStore
-from ..errors import GwenlakeError
-from ..fsutil import read_json
+from ..stores.checkpoints import CheckpointStore
+from ..base.errors import GwenlakeError
+from ..base.fsutil import read_json
 from .requeue import read_record
 
 #: Job states after which a job will not run again (a REQUEUED or PREEMPTED job will).

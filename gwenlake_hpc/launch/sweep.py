@@ -10,11 +10,11 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig
 
-from ..config import typed_launcher
-from ..errors import ConfigError, GwenlakeError
+from ..job.config import typed_launcher
+from ..base.errors import ConfigError, GwenlakeError
 from . import status as slurm_status
-from .slurm import (SlurmEntry, Submission, make_executor, step_parts, check_secrets, container_step, job_container,
-                    record_job, sbatch_parameters, secrets_files, with_declared, write_secrets)
+from .slurm import (SlurmEntry, Submission, make_executor, step_parts, check_secrets, container_step,
+                    job_container, record_job, sbatch_parameters, secrets_files, with_declared, write_secrets)
 
 log = logging.getLogger("gwenlake_hpc.launch.sweep")
 
@@ -41,7 +41,7 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
         ConfigError: tasks with different launcher settings, or a task's config error (nothing submitted).
         GwenlakeError: sbatch failed.
     """
-    from ..plan import PlanCache, check_resume_point, plan
+    from ..job.plan import PlanCache, check_resume_point, plan
 
     if not configs:
         return []
@@ -61,7 +61,7 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
         raise ConfigError("a sweep is one job array: launcher.* must be the same for every task")
     unset = [c for c in containers if not c["paths"].get("model_repo")]
     if unset:  # looked up once, not per task (it may create <cwd>/models)
-        from ..versioning import default_model_repo
+        from ..stores.versioning import default_model_repo
 
         repo = str(default_model_repo(Path.cwd()))
         for c in unset:
@@ -107,7 +107,7 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
 def _metrics(final: slurm_status.JobStatus) -> dict[str, float]:
     if final.checkpoint is None:
         return {}
-    from ..checkpoints import CheckpointStore
+    from ..stores.checkpoints import CheckpointStore
 
     store = CheckpointStore(final.run_dir / "checkpoints", final.run_dir.name)
     best: dict[str, float] = {}

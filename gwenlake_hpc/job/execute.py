@@ -1,0 +1,337 @@
+"""One job, from a resolved config to a committed model version.
+
+config -> plan (:mod:`gwenlake_hpc.job.plan`: the function, its bindings, the run key and run directory) -> Run
+(+ tracking) -> the function -> commit of the Output (or, when evicted, nothing but a checkpoint and a
+non-success exit status).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from ..authoring.api import Input, Model, Output
+from ..stores.checkpoints import DamagedFileError
+from ..runtime.distributed import Dist
+from ..runtime.distributed import setup as setup_distributed
+from ..runtime.distributed import teardown as teardown_distributed
+from ..base.errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, NonFiniteError
+from .finish import JobResult, Start, finish
+from ..base.fsutil import read_json, write_json_atomic
+from .plan import JobPlan, check_resume_point, finished_with, open_inputs, plan
+from .run_environment import check_same_image, container_start
+from ..base.signals import StopRequest, shield_children
+from ..stores.tracking import NullTracker, Tracker, flatten, is_sqlite, state_dir_for, user_mlflow
+from ..stores.registry import complete_pending_registrations
+from ..stores.tracking.custom_metrics import configure as configure_statsd
+from ..stores.versioning import code_state, export_version
+
+if TYPE_CHECKING:
+    from ..runtime.run import Run
+
+log = logging.getLogger("gwenlake_hpc.job")
+
+EXIT_INTERRUPTED = 130
+
+
+# --- SLURM facts and the entry point ---------------------------------------------------------------------------
+
+def slurm_facts() -> dict[str, str]:
+    """SLURM job facts of this process from its environment (empty outside SLURM)."""
+    keys = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT",
+            "SLURM_JOB_PARTITION", "SLURM_JOB_NODELIST", "SLURM_PROCID")
+    return {k: os.environ[k] for k in keys if k in os.environ}
+
+
+# --- the job -------------------------------------------------------------------------------------------------
+
+def execute(cfg: DictConfig | Mapping[str, Any], *, stop: StopRequest | None = None) -> JobResult:
+    """Run one job described by a composed config (see :class:`gwenlake_hpc.job.config.GwenlakeConfig`).
+
+    Never raises for expected failures: they become the exit code, with the reason logged.
+    """
+    try:
+        return _execute(cfg, stop or StopRequest())
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return JobResult(EXIT_USAGE)
+    except OmegaConfBaseException as exc:
+        log.error("config error: %s", exc)
+        return JobResult(EXIT_USAGE)
+
+
+def _execute(cfg: Any, stop: StopRequest) -> JobResult:
+    d = setup_distributed()  # a single process unless SLURM (or torchrun) started several tasks
+    ok = False
+    try:
+        result = _execute_rank(cfg, stop, d)
+        ok = result.exit_code in (0, EXIT_EVICTED)
+        return result
+    finally:
+        teardown_distributed(d, ok=ok)
+
+
+def _execute_rank(cfg: Any, stop: StopRequest, d: Dist) -> JobResult:
+    if not d.is_main:
+        d.barrier()  # rank 0 plans first: a prepare hook materialises the data once, not once a rank
+    p = plan(cfg)
+    statsd = p.settings.statsd
+    configure_statsd(statsd.host, statsd.port, statsd.prefix)  # exported to child processes
+    run_dir = p.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    kwargs: dict[str, Any] = open_inputs(p)  # the revisions the plan read, or a ConfigError
+    for name, b in p.tf.bindings.items():
+        if isinstance(b, Output):
+            # Rank 0's output is committed; the others' (identical model) go to a scratch folder.
+            out = run_dir / "output" if d.is_main else run_dir / ".ranks" / f"rank-{d.rank:05d}" / "output"
+            kwargs[name] = b.bind(out)
+        elif isinstance(b, Model):
+            version = p.model_versions[name].rsplit("@", 1)[1]
+            dest = run_dir / "init_models" / name / version
+            if d.is_main and not dest.exists():
+                export_version(p.model_repo(create=False), b.name, version, dest)
+            kwargs[name] = b.bind(dest, version)
+    if not d.is_main:
+        return _execute_locked(p, kwargs, stop, d)  # rank 0 holds the run's lock for all ranks
+    d.barrier()
+    lock = RunLock(run_dir)  # one process per run directory: a second one would fork the history
+    try:
+        return _execute_locked(p, kwargs, stop, d)
+    finally:
+        lock.release()
+
+
+class RunLock:
+    """An exclusive lock on ``<run_dir>/.lock`` held while a job runs.
+
+    ``flock`` works on local disks and on NFS with lock support; where the filesystem refuses locks
+    (ENOLCK) the job goes on with a warning rather than not at all.
+
+    Raises:
+        ConfigError: another process holds the run (its host and pid are named).
+    """
+
+    def __init__(self, run_dir: Path, wait_s: float | None = None):
+        import fcntl
+
+        if wait_s is None:
+            # A requeued SLURM job may start while the lock of its lost node has not expired yet (NFS leases
+            # last about 90 s): wait for it there; locally, a second process is refused at once.
+            wait_s = 180.0 if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0 else 0.0
+        self._fh = open(run_dir / ".lock", "a+")
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(self._fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(2.0)
+                    continue
+                self._fh.seek(0)
+                holder = self._fh.read().strip() or "another process"
+                self._fh.close()
+                raise ConfigError(f"run {run_dir} is being trained by {holder}; wait for it to end (two processes "
+                                  "on one run would fork its checkpoints and its MLflow curve)") from None
+            except OSError as exc:
+                log.warning("cannot lock %s (%s): make sure no other process runs this job", run_dir, exc)
+                break
+        self._fh.seek(0)
+        self._fh.truncate()
+        self._fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        self._fh.flush()
+
+    def release(self) -> None:
+        self._fh.close()  # closing drops the flock
+
+
+def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Dist) -> JobResult:
+    tf, run_dir, key, model_name = p.tf, p.run_dir, p.key, p.model_name
+    steps, epochs, eval_every, seed, run_name = p.steps, p.epochs, p.eval_every, p.seed, p.run_name
+    params, datasets, dataset_facts, model_versions = p.params, p.datasets, p.dataset_facts, p.model_versions
+    tracking_on, tracking_uri, runs_root = p.tracking_on, p.tracking_uri, p.runs_root
+    info_path = run_dir / "run.json"
+    info = read_json(info_path, default=None) or {
+        "run_key": key, "model": model_name, "run_name": run_name, "target": tf.target, "params": params,
+        "seed": seed, "datasets": dataset_facts, "init_models": model_versions, "created": time.time(),
+        "starts": [], "completed": None,
+    }
+    # Tells this run directory from another one of the same run key (another runs_root): a version records it.
+    info.setdefault("uid", uuid.uuid4().hex)
+    done = finished_with(info, steps, epochs)
+    if done is not None:
+        log.info("run %s already finished at step %s; nothing to train", run_dir, done.get("final_step"))
+        if d.is_main and tracking_on:
+            _complete_pending_registrations(state_dir_for(run_dir, tracking_uri), tracking_uri)
+        if d.is_main:
+            print(f"model {model_name} version {done['version']}", flush=True)
+        return JobResult(0, done["version"], run_dir, done.get("final_step"))
+    check_resume_point(p)  # job.resume=never, job.steps below the newest checkpoint
+
+    start = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), **slurm_facts()}
+    if d.enabled:
+        start["world_size"] = d.world_size
+    container = container_start()  # launcher.container: the image this start runs in (None without one)
+    if container:
+        check_same_image(info["starts"], container)  # warns, or refuses when pinned (before anything is written)
+        start["container"] = container
+    info["starts"].append(start)
+    if d.is_main:
+        write_json_atomic(info_path, info)
+    log.info("run directory: %s (rank %d of %d)", run_dir, d.rank, d.world_size)
+
+    code = code_state(Path(sys.modules[tf.fn.__module__].__file__ or ".").resolve().parent
+                      if getattr(sys.modules.get(tf.fn.__module__), "__file__", None) else Path.cwd())
+    if tracking_on and d.is_main:  # rank 0 alone reports
+        tags = dict(tf.resources.metadata)  # @train(metadata={...}); ours below win on a clash
+        tags.update({"gwenlake.run_key": key, "gwenlake.target": tf.target, "gwenlake.host": socket.gethostname(),
+                     "gwenlake.restarts": str(len(info["starts"]) - 1)})
+        tags.update({f"gwenlake.dataset.{n}": v for n, v in datasets.items()})
+        tags.update({f"gwenlake.init_model.{n}": v for n, v in model_versions.items()})
+        if code.commit:
+            tags.update({"gwenlake.code_commit": code.commit, "gwenlake.code_dirty": str(code.dirty).lower()})
+        if os.environ.get("GWENLAKE_CODE_PATCH_SHA256"):
+            tags["gwenlake.code_patch_sha256"] = os.environ["GWENLAKE_CODE_PATCH_SHA256"]
+        if container:
+            tags.update({f"gwenlake.container.{k}": str(v) for k, v in container.items() if v})
+        tags.update({f"slurm.{k[6:].lower()}": v for k, v in slurm_facts().items()})
+        artifact_location = (runs_root / "mlartifacts" / model_name).as_uri() if is_sqlite(tracking_uri) else None
+        state_dir = state_dir_for(run_dir, tracking_uri)
+        # Versions an earlier start committed but could not register: the delivery process registers them
+        # once the run is attached (the job hands tracking the registry's function: tracking imports no registry).
+        pending = complete_pending_registrations \
+            if (state_dir / "pending_registrations.json").is_file() else None
+        tracker: Any = Tracker(tracking_uri, model_name, key, state_dir,
+                               params=flatten({"params": params, "seed": seed}), tags=tags,
+                               artifact_location=artifact_location,
+                               flush_interval_s=p.settings.tracking.flush_interval_s, after_attach=pending)
+        tracker.set_tags(tags)
+    else:
+        tracker = NullTracker()
+
+    # Rank r draws from seed + r: dropout and augmentation differ across ranks (DDP copies rank 0's initial
+    # parameters to all); the data order comes from the run seed alone, so the shards fit together.
+    launcher = p.settings.launcher
+
+    reports = tracking_on and d.is_main
+    # a point MLflow records at step 0 (no step given) goes to the loop's current step; a short fit has no loop
+    current_step = (lambda: 0) if getattr(tf, "is_short", False) else (lambda: run.step)
+    if reports:
+        off_reason = ""
+    else:
+        state_dir = None
+        off_reason = (f"rank {d.rank}: only rank 0 reports to MLflow" if tracking_on else
+                      "tracking is off for this job (tracking=False or job.tracking=false)")
+
+    # torch comes with the Run: planning and submitting a job (the launchers) never load it
+    from ..runtime.current import active as active_run
+    from ..runtime.rng import seed_everything
+    from ..runtime.run import Run
+
+    def make_run() -> Run:
+        seed_everything(seed + d.rank)
+        try:
+            return Run(run_dir=run_dir, run_key=key, steps=steps, epochs=epochs, eval_every=eval_every, seed=seed,
+                       tracker=tracker, stop=stop, resume=p.resume, on_nonfinite=p.on_nonfinite,
+                       progress=launcher.progress, progress_every_s=launcher.progress_every_s, dist=d)
+        except BaseException:
+            tracker.close()
+            raise
+
+    run = make_run()
+    if tf.wants_config:
+        kwargs["config"] = p.config_obj
+
+    finish_timeout = p.settings.tracking.finish_timeout_s
+    installed = stop.install()
+    try:  # handlers kept through the commit and tracking's finish: a SIGTERM there only sets the flag
+        try:
+            while True:
+                kwargs["run"] = run
+                try:
+                    # gwenlake_hpc.log_metrics(), GWENLAKE_RUN_ID, and MLflow's own API into the job's run
+                    with active_run(run), user_mlflow.reporting(tracker if reports else None, state_dir,
+                                                                current_step, off_reason):
+                        result = tf.fn(**kwargs)
+                    run.wait_for_checkpoint()  # a background write that failed fails the job here
+                    break
+                except DamagedFileError as exc:
+                    if not _set_aside_resume_point(run, exc):
+                        raise
+                    run = make_run()  # from the previous intact checkpoint, the function started afresh
+        except KeyboardInterrupt:
+            log.error("interrupted at step %d; the newest complete checkpoint is kept", run.step)
+            tracker.finish("KILLED", timeout_s=min(finish_timeout, 10.0))
+            return JobResult(EXIT_INTERRUPTED, None, run_dir, run.step)
+        except ConfigError:
+            run.wait_for_checkpoint(raise_error=False)
+            tracker.finish("FAILED", timeout_s=finish_timeout)
+            raise
+        except NonFiniteError as exc:
+            log.error("%s", exc)
+            run.wait_for_checkpoint(raise_error=False)
+            tracker.finish("FAILED", timeout_s=finish_timeout)
+            return JobResult(EXIT_FAILED, None, run_dir, run.step)
+        except Exception:
+            log.error("the training function raised at step %d:\n%s", run.step, traceback.format_exc())
+            run.wait_for_checkpoint(raise_error=False)  # the checkpoint in flight is still sealed
+            tracker.finish("FAILED", timeout_s=finish_timeout)
+            return JobResult(EXIT_FAILED, None, run_dir, run.step)
+        with shield_children():  # git, the registry: SLURM's signals must not kill the children of the commit
+            inputs = {n: kwargs[n] for n, b in tf.bindings.items() if isinstance(b, Input)}
+            return finish(p, run, result, Start(tracker, info, info_path, code, stop, finish_timeout, inputs))
+    finally:
+        if installed:
+            stop.uninstall()
+
+
+def _complete_pending_registrations(state_dir: Path, tracking_uri: str) -> None:
+    """A rerun of a finished job: deliver what its end could not (points, status) and register the versions it
+    committed but could not register."""
+    from ..stores.registry import PENDING_REGISTRATIONS
+    from ..stores.tracking import sync
+    from ..stores.tracking.spool import segment_paths
+
+    if not ((state_dir / PENDING_REGISTRATIONS).is_file() or (state_dir / "pending_status").is_file()
+            or segment_paths(state_dir)):
+        return
+    log.info("delivering what the end of this run left in %s", state_dir)
+    try:
+        sync(state_dir, uri=tracking_uri, timeout_s=30.0)  # the run, if it was never created
+    except ConfigError as exc:
+        log.warning("could not sync %s: %s", state_dir, exc)
+        return
+    if (state_dir / PENDING_REGISTRATIONS).is_file():
+        complete_pending_registrations(state_dir, tracking_uri)
+
+
+def _set_aside_resume_point(run: Run, exc: DamagedFileError) -> bool:
+    """A file of the checkpoint the run resumed from failed its digest while ``load_state`` read it.
+
+    Sets that checkpoint aside (as a damaged one found up front is) so the next Run resumes from the previous
+    intact checkpoint. Returns False when the training cannot simply start again: the damaged file is not in
+    the resume checkpoint, the loop already ran, or the run has several tasks (the job then fails; rerun it).
+    """
+    if exc.checkpoint is None or run.resume_path is None or exc.checkpoint.absolute() != run.resume_path.absolute():
+        return False
+    if run.is_main:
+        moved = run.store.set_aside_if_damaged(run.resume_path, str(exc))
+        log.warning("checkpoint %s is damaged (%s); set aside as %s", run.resume_path, exc,
+                    moved.name if moved else "?")
+    if run.dist.enabled:
+        log.error("rerun the job: it resumes from the previous intact checkpoint")
+        return False
+    if run.loop_started:
+        return False
+    log.warning("starting the training function again from the previous intact checkpoint")
+    return True

@@ -1,0 +1,237 @@
+"""The end of a job's start: an eviction's exit status, or the checks of the result, the lineage and the commit
+of the model version, its registration and ``candidate`` alias.
+
+:func:`finish` is called by :mod:`gwenlake_hpc.job.execute` once the training function returned. Imports the stores
+(versions, registry, tracking through the tracker it is handed), never a launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+from .. import __version__
+from ..base.errors import EXIT_EVICTED, EXIT_FAILED, ConfigError
+from ..base.fsutil import write_json_atomic
+from .plan import JobPlan
+from ..stores.registry import after_commit, complete_pending_registrations, serving_info, warn_if_pending
+from ..base.signals import StopRequest
+from ..stores.versioning import commit_model, find_run_version
+
+if TYPE_CHECKING:
+    from ..runtime.run import Run
+
+log = logging.getLogger("gwenlake_hpc.job")
+
+#: MLflow run tag of an evicted run: the step its start stopped at (the run is KILLED until a start resumes it).
+EVICTED_TAG = "gwenlake.evicted_at_step"
+#: What :data:`EVICTED_TAG` becomes once the run finished: the step of its last eviction, as history.
+LAST_EVICTED_TAG = "gwenlake.last_evicted_at_step"
+
+
+@dataclass
+class JobResult:
+    """What a job ended with.
+
+    Attributes:
+        exit_code: 0 success, 2 usage/config error, 75 evicted (resume later), 1 failure, 130 forced interrupt.
+        version: the model version (commit SHA) when one was committed or found.
+        run_dir: the run directory, when one was made.
+        final_step: the last step completed.
+    """
+
+    exit_code: int
+    version: str | None = None
+    run_dir: Path | None = None
+    final_step: int | None = None
+
+
+
+@dataclass
+class Start:
+    """What one start of a job holds besides its plan and its Run.
+
+    Attributes:
+        tracker: the MLflow tracker (a NullTracker with tracking off or on ranks other than 0).
+        info: the run's record (``run.json``), this start appended; written to ``info_path``.
+        code: the code state (commit, dirty flag) the version's lineage names.
+        stop: the stop flag the signal handlers set.
+        finish_timeout: seconds the end waits for tracking (``tracking.finish_timeout_s``).
+        inputs: the Input datasets the function was given (their schema goes into the version's serving info).
+    """
+
+    tracker: Any
+    info: dict[str, Any]
+    info_path: Path
+    code: Any
+    stop: StopRequest
+    finish_timeout: float
+    inputs: dict[str, Any]
+
+
+def finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
+    """The end of a start of plan ``p``, after the training function returned ``result`` with ``run``.
+
+    An eviction: the tracker marks the run KILLED, exit 75. Otherwise the result is checked (a dict of numbers,
+    or None for ``run.summary()``) and the Output must hold a file; the version is committed with its metrics
+    and lineage (or found, when an earlier start committed it and died before recording it), then registered,
+    ``candidate`` moved and pushed (:func:`gwenlake_hpc.stores.registry.after_commit`, which only warns), ``run.json``
+    records the completion and the tracker marks the run FINISHED. Ranks other than 0 only report.
+
+    Returns:
+        The :class:`JobResult`: 0 with the version, 75 evicted, 1 when nothing could be committed.
+
+    Raises:
+        ConfigError: the function returned something other than a dict of numbers or None.
+    """
+    tracker, info, info_path, code = start.tracker, start.info, start.info_path, start.code
+    finish_timeout, stop, tracking_on = start.finish_timeout, start.stop, p.tracking_on
+    tf, run_dir, key, model_name = p.tf, p.run_dir, p.key, p.model_name
+    steps, epochs, eval_every, seed, run_name = p.steps, p.epochs, p.eval_every, p.seed, p.run_name
+    params, dataset_facts, model_versions = p.params, p.dataset_facts, p.model_versions
+    if not run.is_main:  # rank 0 commits; the others only report how the loop ended
+        return JobResult(EXIT_EVICTED if run.evicted else 0, None, run_dir, run.step)
+    if run.evicted:
+        ck = run.latest_checkpoint
+        log.warning("evicted at step %d (%s); newest checkpoint: %s; run the same job again to resume",
+                    run.step, stop.reason, ck.path if ck else "none")
+        tracker.set_tags({EVICTED_TAG: str(run.step)})
+        tracker.finish("KILLED", timeout_s=min(finish_timeout, 20.0))
+        return JobResult(EXIT_EVICTED, None, run_dir, run.step)
+
+    if result is not None and not isinstance(result, Mapping):
+        tracker.finish("FAILED", timeout_s=finish_timeout)
+        raise ConfigError(f"{tf.target} returned {type(result).__name__} {str(result)[:80]!r}: return a dict of "
+                          "numbers (the model's metrics), or None for run.summary(); nothing is committed, and the "
+                          "same job resumes from its final checkpoint once the function is fixed")
+    if not any(f.is_file() for f in (run_dir / "output").rglob("*")):
+        log.error("%s wrote no file into its Output: nothing is committed (a version without a model is no use). "
+                  "Save the model with output.file(NAME), then run the same job again: it resumes from its final "
+                  "checkpoint", tf.target)
+        tracker.finish("FAILED", timeout_s=finish_timeout)
+        return JobResult(EXIT_FAILED, None, run_dir, run.step)
+    metrics = result if isinstance(result, Mapping) else run.summary()
+    try:
+        metrics = {str(k): float(v) for k, v in metrics.items()}
+    except (TypeError, ValueError) as exc:
+        tracker.finish("FAILED", timeout_s=finish_timeout)
+        raise ConfigError(f"{tf.target} returned {result!r}: return a dict of numbers (or None)") from exc
+    tracker.log_metrics(metrics, run.step)
+    if tracking_on and tracker.run_id is None:  # short runs, a slow store: the version should name its run
+        tracker.wait_attached(min(finish_timeout, 30.0))
+
+    lineage = {
+        "model": model_name, "run_name": run_name, "run_key": key, "target": tf.target,
+        "datasets": dataset_facts, "init_models": model_versions,
+        "code": {"commit": code.commit, "dirty": code.dirty, "repo": str(code.repo_root) if code.repo_root else None,
+                 **_code_patch()},
+        "config": {"params": params, "seed": seed, "steps": steps, "epochs": epochs, "eval_every": eval_every},
+        # run_id None: not attached in time; state_dir/run_id names it once it exists (models register).
+        "tracking": {"run_id": tracker.run_id, "experiment": model_name, "state_dir": str(tracker.state_dir)}
+        if tracking_on else None,
+        "final_step": run.step,
+        "starts": info["starts"],
+        # the image of the start that finished the training (each start's is in starts[])
+        "container": info["starts"][-1].get("container") if info["starts"] else None,
+        "packages": _package_versions(),
+        # SLURM job ids of every start (a requeue keeps the id; a resubmission gets a new one)
+        "slurm_jobs": sorted({s["SLURM_JOB_ID"] for s in info["starts"] if s.get("SLURM_JOB_ID")}),
+        "job_config": OmegaConf.to_container(p.cfg.job, resolve=True) if isinstance(p.cfg, DictConfig) else None,
+        "serving": serving_info(tf, start.inputs),  # predict entry point and input schema, for load_model
+    }
+    out_dir = run_dir / "output"
+    try:
+        repo = p.model_repo()
+        same_repo = code.repo_root is not None and Path(repo.working_dir).resolve() == code.repo_root.resolve()
+        # A start killed between its commit and run.json committed this very version already: use it.
+        run_ref = f"{key}/{info['uid']}@{run.step}"
+        version = find_run_version(repo, model_name, run_ref)
+        if version is not None:
+            log.warning("version %s of this run at step %d was committed by an earlier start that ended before "
+                        "recording it; using it (no second commit)", version[:12], run.step)
+        else:
+            version = commit_model(
+                repo, model_name, out_dir, run=run_ref,
+                message=f"{model_name}: {run_name} at step {run.step}\n\n"
+                        + "".join(f"{k}: {v:.6g}\n" for k, v in sorted(metrics.items())),
+                code_commit=code.commit if same_repo else None,
+                extra_files={"metrics.json": (json.dumps(finite_json(metrics), indent=2, sort_keys=True, allow_nan=False)
+                                              + "\n").encode(),
+                             "lineage.json": (json.dumps(finite_json(lineage), indent=2, sort_keys=True, default=str,
+                                                         allow_nan=False) + "\n").encode()},
+            )
+    except Exception as exc:
+        log.error("the model could not be committed (%s); its files are kept in %s: commit them with "
+                  "`python -m gwenlake_hpc models commit %s %s`", exc, out_dir, out_dir, model_name)
+        tracker.finish("FAILED", timeout_s=finish_timeout)
+        return JobResult(EXIT_FAILED, None, run_dir, run.step)
+    # Registry, alias 'candidate', push: each failure only logs a warning (after_commit never raises).
+    # The MLflow registration is deferred to the delivery process (MLflow is loaded there, not here).
+    deferred = after_commit(repo=repo, model_name=model_name, version=version, out_dir=out_dir, lineage=lineage,
+                            tracking_uri=p.tracking_uri if tracking_on else None,
+                            run_id=tracker.run_id if tracking_on else None, metrics=metrics,
+                            state_dir=tracker.state_dir if tracking_on else None, defer=tracking_on)
+
+    tracker.set_tags({"gwenlake.version": version})
+    # a FINISHED run is not evicted: an earlier start's eviction stays as history under another name
+    tracker.rename_tags({EVICTED_TAG: LAST_EVICTED_TAG})
+    info["completed"] = {"steps": steps, "epochs": epochs, "final_step": run.step, "version": version,
+                         "time": time.time()}
+    info.setdefault("completions", []).append(info["completed"])
+    write_json_atomic(info_path, info)
+    tracker.finish("FINISHED", timeout_s=min(finish_timeout, 5.0) if stop.requested else finish_timeout,
+                   after_finish=complete_pending_registrations if deferred else None)
+    if deferred:
+        warn_if_pending(tracker.state_dir, model_name, version)
+    print(f"model {model_name} version {version}", flush=True)
+    return JobResult(0, version, run_dir, run.step)
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by its name (``"nan"``, ``"inf"``, ``"-inf"``):
+    JSON has no such numbers, and Python's ``NaN`` token makes the file unreadable to other parsers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def _code_patch() -> dict[str, Any]:
+    """The uncommitted diff a remote submission applied on top of the commit (``cluster.allow_dirty``), if any.
+
+    From ``GWENLAKE_CODE_PATCH`` (the diff file on the cluster) and ``GWENLAKE_CODE_PATCH_SHA256``, set by the
+    job script that :mod:`gwenlake_hpc.launch.remote` renders; the diff text itself goes into the lineage.
+    """
+    path = os.environ.get("GWENLAKE_CODE_PATCH")
+    if not path:
+        return {}
+    try:
+        diff = Path(path).read_text(errors="replace")
+    except OSError as exc:
+        log.warning("the code patch %s named by GWENLAKE_CODE_PATCH cannot be read (%s)", path, exc)
+        diff = None
+    return {"patch": {"path": path, "sha256": os.environ.get("GWENLAKE_CODE_PATCH_SHA256"), "diff": diff}}
+
+
+def _package_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version(), "gwenlake_hpc": __version__}
+    for name in ("torch", "numpy", "h5py", "safetensors", "mlflow"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out

@@ -1,0 +1,409 @@
+"""The Run: a thin owner of the training loop.
+
+It numbers steps, feeds batches, fast-forwards on a resume without reading the skipped data, turns a stop
+request into an ordinary end of loop between two steps, writes atomic checkpoints that carry its own state
+(asynchronously by default: the loop waits only for a copy of the state), and forwards metrics to tracking
+without slowing the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from ..base import rules
+from ..stores.checkpoints import BackgroundWriter, BufferPool, Checkpoint, CheckpointStore
+from ..stores.checkpoints.writer import async_default
+from .distributed import Dist
+from ..base.errors import ConfigError
+from .progress import Progress
+from .rng import rng_state, set_rng_state, shield_workers
+from .run_checkpoints import CheckpointWriter, RunCheckpoints  # noqa: F401 (CheckpointWriter re-exported)
+from .run_metrics import RunMetrics
+from ..base.signals import StopRequest
+
+log = logging.getLogger("gwenlake_hpc.run")
+
+
+def _length_of(batches: Any) -> int | None:
+    """``len(batches)``, or None when unknown: no ``__len__``, or one that raises ``TypeError`` (a torch DataLoader
+    over an ``IterableDataset`` without ``__len__``)."""
+    if batches is None or not hasattr(batches, "__len__"):
+        return None
+    try:
+        return len(batches)
+    except TypeError:
+        return None
+
+
+def _is_plan(batches: Any) -> bool:
+    """Whether ``batches`` is a gwenlake ``Batches`` (an ``epoch(e, start=, seed=)`` method), not a plain iterable
+    (``IterableBatches`` has an ``epoch`` number)."""
+    return callable(getattr(batches, "epoch", None))
+
+
+def set_epoch(batches: Any, epoch: int) -> int:
+    """Call ``set_epoch(epoch)`` on each object that fixes the order of the plain iterable ``batches``.
+
+    As Lightning's ``_set_sampler_epoch`` and Accelerate's ``DataLoaderShard.set_epoch``: the iterable itself,
+    a ``DataLoader``'s ``dataset`` (an ``IterableBatches``), ``sampler`` (a ``DistributedSampler``),
+    ``batch_sampler`` and ``batch_sampler.sampler``, each object once; those without a callable ``set_epoch``
+    are skipped. Returns how many were called (0 for a list).
+    """
+    batch_sampler = getattr(batches, "batch_sampler", None)
+    found: dict[int, Any] = {}  # by id: samplers may be unhashable, and one may be reached twice
+    for obj in (batches, getattr(batches, "dataset", None), getattr(batches, "sampler", None), batch_sampler,
+                getattr(batch_sampler, "sampler", None)):
+        if obj is not None and callable(getattr(obj, "set_epoch", None)):
+            found.setdefault(id(obj), obj)
+    for obj in found.values():
+        obj.set_epoch(epoch)
+    return len(found)
+
+
+def _warn_persistent_workers(batches: Any) -> None:
+    dataset = getattr(batches, "dataset", None)
+    if getattr(batches, "persistent_workers", False) and getattr(batches, "num_workers", 0) > 0 \
+            and callable(getattr(dataset, "set_epoch", None)):
+        log.warning("DataLoader(persistent_workers=True) keeps the copy of %s its workers got at the first epoch: "
+                    "set_epoch does not reach them and every epoch repeats that order; use "
+                    "persistent_workers=False", type(dataset).__name__)
+
+
+class Run(RunMetrics, RunCheckpoints):
+    """Owns the loop of one training; passed to the decorated function as ``run``.
+
+    Built by the job (``gwenlake_hpc.job.execute``), not by user code.
+
+    Args:
+        run_dir: the run directory on the shared filesystem.
+        run_key: the run's key (checkpoints of another key are never read).
+        steps: total steps, or None when ``epochs`` sets the length.
+        epochs: number of epochs over the batches given to :meth:`steps`, or None.
+        eval_every: a step that is a multiple of it has ``at_eval`` true.
+        seed: the run's seed (batch order is a function of seed and epoch).
+        tracker: a ``gwenlake_hpc.stores.tracking`` Tracker or NullTracker.
+        stop: the StopRequest the signal handlers set.
+        resume: ``"auto"`` (resume from the newest complete checkpoint) or ``"never"``.
+        progress: Progress mode (``auto``, ``bar``, ``lines``, ``off``) and ``progress_every_s``.
+        dist: this process's place in a multi-task run (:func:`gwenlake_hpc.runtime.distributed.setup`); default
+            a single process.
+        checkpoint_async: default of ``run.checkpoint(sync=...)``; None reads ``GWENLAKE_CHECKPOINT_ASYNC``
+            (on unless it is ``0``, ``false``, ``no`` or ``off``).
+        on_nonfinite: ``stop``: :meth:`log` of a NaN or infinite loss (a metric whose name contains
+            ``loss``) raises :class:`NonFiniteError`; ``warn``: a warning, once per metric.
+
+    Attributes read by user code: ``resumed``, ``resume_path``, ``start_step``, ``step``, ``epoch``,
+    ``at_eval``, ``stopping``, ``evicted``, ``total_steps``, ``run_dir``, ``seed``, ``rank``, ``world_size``,
+    ``local_rank``, ``is_main``.
+
+    In a multi-task run every rank runs the same loop: with ``Input(...).batches()`` each rank reads its own
+    contiguous shard of every epoch (``len(batches) // world_size`` batches a rank, the remainder dropped),
+    a stop request seen by any rank ends the loop of all ranks after the same step, rank 0 alone writes
+    the checkpoint files, logs and commits, and every rank's RNG and data position are saved in the one
+    atomic checkpoint, so a resumed run continues exactly where it stopped.
+    """
+
+    def __init__(self, *, run_dir: Path, run_key: str, steps: int | None, epochs: int | None, eval_every: int,
+                 seed: int, tracker: Any, stop: StopRequest, resume: str = "auto", progress: str = "auto",
+                 progress_every_s: float = 30.0, dist: Dist | None = None, checkpoint_async: bool | None = None,
+                 on_nonfinite: str = "stop"):
+        rules.whole_number("job.steps", steps, 0)
+        rules.whole_number("job.epochs", epochs)
+        rules.whole_number("job.eval_every", "null" if eval_every is None else eval_every)
+        self.run_dir = Path(run_dir)
+        self.run_key = run_key
+        self.seed = seed
+        self.eval_every = int(eval_every)
+        self.epochs = epochs
+        self._steps_setting = steps
+        self.total_steps: int | None = steps
+        self.tracker = tracker
+        self._stop = stop
+        self.dist = dist or Dist()
+        self.rank, self.world_size, self.local_rank = self.dist.rank, self.dist.world_size, self.dist.local_rank
+        self._progress_mode = progress if self.dist.is_main else "off"
+        self._progress_every_s = progress_every_s
+        rules.choice("job.resume", resume, ("auto", "never"))
+        self.store = CheckpointStore(self.run_dir / "checkpoints", run_key)
+        # Where a rank other than 0 puts its (discarded) checkpoint files; its Output is a sibling folder.
+        self._scratch = self.run_dir / ".ranks" / f"rank-{self.rank:05d}" / "checkpoint"
+        latest = None
+        if self.dist.is_main:
+            removed = self.store.clean_partials()
+            if removed:
+                log.info("removed %d partial checkpoint(s) left by an interrupted writer", len(removed))
+            latest = self.store.latest() if resume == "auto" else None
+            if resume == "never" and self.store.complete():
+                raise ConfigError(f"job.resume=never but {self.store.root} already holds checkpoints of this "
+                                  "run; nothing is deleted: move them away or use job.resume=auto")
+        # Rank 0 alone chooses (and may set aside damaged ones); every rank resumes from its choice.
+        name = self.dist.broadcast(latest.path.name if latest else None)
+        if not self.dist.is_main and name is not None:
+            latest = self.store.open(name)
+            if latest is None:
+                raise RuntimeError(f"rank {self.rank}: checkpoint {name} chosen by rank 0 is not readable here; "
+                                   "is the run directory on a filesystem shared by all nodes?")
+        self._resumed_from: Checkpoint | None = latest
+        self._run_state = self._own_state(latest) if latest else None
+        self.start_step = latest.step if latest else 0
+        self.step = self.start_step
+        self.epoch = 0
+        self.at_eval = False
+        self.stopping = False
+        self.evicted = False
+        self.latest_checkpoint: Checkpoint | None = latest
+        self._checkpoint_step: int | None = None
+        self._iterated = False
+        self._summary: dict[str, float] = {}
+        self._tagged_series: dict[str, dict[str, str]] = {}  # series -> its tags (recorded on the run already)
+        self._progress: Progress | None = None
+        self.checkpoint_async = async_default() if checkpoint_async is None else bool(checkpoint_async)
+        rules.choice("job.on_nonfinite", on_nonfinite, ("stop", "warn"))
+        self._on_nonfinite = on_nonfinite
+        self._warned_nonfinite: set[str] = set()
+        self._writer = BackgroundWriter()
+        self._buffers = BufferPool()
+        self._in_checkpoint = False
+        # Seconds since the last evaluation: waiting for input, the whole step (checkpoint and tracking
+        # included), blocked in run.checkpoint(), in run.log(). See _log_times.
+        self._times = dict.fromkeys(("input", "step", "checkpoint", "tracking"), 0.0)
+        self._steps_timed = 0
+        # When the current window of the breakdown began (perf_counter s), the step it was last logged at, and
+        # where the current step and checkpoint block began: an evaluation step's breakdown is logged before
+        # its checkpoint is sealed (see RunCheckpoints._seal), the rest of that step counts in the next window.
+        self._window_start = 0.0
+        self._times_logged_step: int | None = None
+        self._t_step = self._t_block = 0.0
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0 (always in a single-process run): the rank that writes, logs and commits."""
+        return self.dist.is_main
+
+    def _own_state(self, ck: Checkpoint) -> dict[str, Any]:
+        """This rank's state from a checkpoint: rank 0's is the Run state, the others' their rank files."""
+        state = ck.run_state()
+        if self.rank == 0 and state.get("world_size", 1) == self.world_size:
+            return state
+        mine = ck.rank_state(self.rank) if self.rank else state
+        if mine is None or state.get("world_size", 1) != self.world_size:
+            log.warning("checkpoint %s was written by %s rank(s), this run has %d: rank %d's RNG is re-seeded "
+                        "and the data shards differ, so the resumed run is not identical to an uninterrupted one",
+                        ck.path.name, state.get("world_size", 1), self.world_size, self.rank)
+            seed_everything(self.seed + self.rank)
+            return {**state, "rng": rng_state()}
+        return {**state, **mine}
+
+    # -- resume facts ------------------------------------------------------------------------------------------
+    @property
+    def resumed(self) -> bool:
+        """True when a complete checkpoint of this run was found and the loop continues after it."""
+        return self._resumed_from is not None
+
+    @property
+    def resume_path(self) -> Path | None:
+        """Directory of the newest complete checkpoint (load your files from it), or None."""
+        return self._resumed_from.path if self._resumed_from else None
+
+    @property
+    def loop_started(self) -> bool:
+        """True once :meth:`steps` was iterated."""
+        return self._iterated
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once a termination signal (or another stop request) arrived."""
+        return self._stop.requested
+
+    def steps_for(self, rows: int, batch_size: int, drop_last: bool = False) -> int:
+        """Steps this run takes over ``rows`` rows in batches of ``batch_size``.
+
+        ``ceil(rows / batch_size)`` (``floor`` with ``drop_last``) batches per epoch, divided by
+        ``world_size`` (rounded down) in a multi-task run, times ``epochs`` (1 when the run is set by
+        ``steps``). Useful for LR schedules that need the total length.
+        """
+        per_epoch = rows // batch_size if drop_last else math.ceil(rows / batch_size)
+        if self.world_size > 1:
+            per_epoch //= self.world_size
+        return per_epoch * (self.epochs or 1)
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def _sharded(self, batches: Any) -> bool:
+        return self.world_size > 1 and _is_plan(batches) and hasattr(batches, "__len__")
+
+    def _resolve_total(self, batches: Any) -> tuple[int, int | None]:
+        per_epoch = _length_of(batches)
+        if per_epoch == 0:
+            raise ConfigError("run.steps(): the batches are empty (0 batches per epoch)")
+        if per_epoch is not None and self._sharded(batches):
+            per_epoch //= self.world_size
+            if per_epoch == 0:
+                raise ConfigError(f"run.steps(): {_length_of(batches)} batches per epoch cannot be shared by "
+                                  f"{self.world_size} ranks; use a smaller batch_size or fewer tasks")
+        if self._steps_setting is not None:
+            total = self._steps_setting
+        elif self.epochs is not None:
+            if per_epoch is None:
+                raise ConfigError("job.epochs is set but run.steps() got batches of unknown length; "
+                                  "set job.steps instead")
+            total = self.epochs * per_epoch
+        elif per_epoch is not None:
+            total = per_epoch
+        else:
+            raise ConfigError("the training length is unknown: set job.steps or job.epochs")
+        return total, per_epoch
+
+    def _batch_stream(self, batches: Any, per_epoch: int | None, start: int) -> Iterator[tuple[int, Any]]:
+        """Yield ``(epoch, batch)`` from global batch index ``start`` on, forever."""
+        if batches is None:
+            while True:
+                yield 0, None
+        if _is_plan(batches) and per_epoch:
+            # gwenlake Batches: the data position is computed, skipped batches are never read. A rank of a
+            # multi-task run reads its own contiguous shard of each epoch's order.
+            epoch, pos = divmod(start, per_epoch)
+            shard = self.rank * per_epoch if self._sharded(batches) else 0
+            while True:
+                it = batches.epoch(epoch, start=shard + pos, seed=self.seed)
+                for _ in range(per_epoch - pos):
+                    yield epoch, next(it)
+                epoch, pos = epoch + 1, 0
+        # Any other re-iterable (a list, a DataLoader): skipping means reading.
+        if start:
+            log.warning("resuming at batch %d of a plain iterable: the skipped batches are read and dropped; "
+                        "use Input(...).batches() to resume without reading them", start)
+        epoch, pos = (divmod(start, per_epoch) if per_epoch else (0, start))
+        while True:
+            set_epoch(batches, epoch)  # before iter(): a DataLoader hands its workers the dataset then
+            produced = 0
+            for i, b in enumerate(batches):
+                produced += 1
+                if i < pos:
+                    continue
+                yield epoch, b
+            if produced == 0:
+                raise ConfigError("run.steps(): the batches yielded nothing")
+            if per_epoch is None and pos >= produced:
+                pos -= produced
+            else:
+                pos = 0
+            epoch += 1
+
+    def steps(self, batches: Iterable[Any] | None = None) -> Iterator[tuple[int, Any]]:
+        """Iterate the training: yields ``(step, batch)`` for steps ``start_step + 1 .. total``.
+
+        Args:
+            batches: ``Input(...).batches(...)`` (resumable without reading skipped data; epochs repeat with a
+                new order), any re-iterable of batches (repeated over epochs; a resume reads the skipped
+                ones), or None (the batch is None, for trainings that make their own data). Before each pass
+                over a re-iterable, the resumed one included, :func:`set_epoch` gives it the epoch number
+                (an ``IterableBatches``, a ``DataLoader``'s dataset or ``DistributedSampler``).
+
+        Before each step ``at_eval`` is fixed: true at multiples of ``eval_every``, at the last step, and when
+        a stop request arrived before the step was yielded (that step is then the last, with ``stopping``).
+        A stop request that arrives during step k ends the loop after k when k wrote a checkpoint, else after
+        one more step k+1 yielded with ``at_eval`` and ``stopping`` true. After such an end ``evicted`` is true.
+
+        Raises:
+            ConfigError: the length is unknown (no steps/epochs and no ``len``), or the batches are empty.
+            RuntimeError: iterated a second time.
+        """
+        if self._iterated:
+            raise RuntimeError("run.steps() can be iterated once per training")
+        self._iterated = True
+        total, per_epoch = self._resolve_total(batches)
+        self.total_steps = total
+        shield_workers(batches)
+        _warn_persistent_workers(batches)
+        was = (self._run_state or {}).get("world_size", 1)
+        if self._run_state is not None and self._steps_setting is None and was != self.world_size:
+            # An epoch is len(batches) // world_size steps: another number of ranks changes the run's length.
+            raise ConfigError(f"this run's checkpoints were written by {was} rank(s) and this job has "
+                              f"{self.world_size}: with job.epochs the number of steps depends on it; run it with "
+                              f"{was} task(s), or set job.steps, or start a new run (job.model=...)")
+        if self._run_state is not None:
+            set_rng_state(self._run_state["rng"])
+        if self.resumed:
+            log.info("resuming from step %d (%s)", self.start_step, self.resume_path)
+        elif self.is_main:  # say where it looked: a mistyped paths.runs_root would otherwise start over silently
+            log.info("no checkpoint of this run in %s: training from step 0", self.store.root)
+        if self.start_step >= total:
+            if self.start_step > total:
+                log.warning("checkpoint at step %d is beyond the %d steps asked for: nothing to train",
+                            self.start_step, total)
+            return
+        self._progress = Progress(total, self.start_step, self._progress_mode, self._progress_every_s)
+        stream = self._batch_stream(batches, per_epoch, self.start_step)
+        step = self.start_step
+        try:
+            while step < total:
+                self._writer.raise_if_failed()  # a failed background write fails the run at the next step
+                self._stop.check_handlers()  # a library's own SIGTERM handler must not swallow an eviction
+                # One decision for all ranks (a collective in a multi-task run): a stop request seen by any
+                # rank stops every rank after the same step.
+                final = self._agree_on_stop()
+                if final and step > self.start_step and self._checkpoint_step == step:
+                    self.evicted = True  # the step just done wrote its checkpoint: end here
+                    break
+                step += 1
+                t_input = time.perf_counter()
+                epoch, batch = next(stream)
+                self.step, self.epoch = step, epoch
+                self.stopping = final
+                self.at_eval = final or step % self.eval_every == 0 or step == total
+                t_step = self._t_step = time.perf_counter()
+                self._times["input"] += t_step - t_input
+                yield step, batch
+                self._times["step"] += time.perf_counter() - max(t_step, self._window_start)
+                if self._times_logged_step != step:  # else logged at its checkpoint, this step counted there
+                    self._steps_timed += 1
+                    if self.at_eval:
+                        self._log_times(step)
+                self._progress.update(step)
+                if final:
+                    self.evicted = True
+                    if self._checkpoint_step != step:
+                        log.warning("stopped at step %d without a checkpoint of it: write one when run.at_eval "
+                                    "is true, or the work since the last checkpoint is redone", step)
+                    break
+        except KeyboardInterrupt:
+            raise  # a second Ctrl-C: at once, without waiting for a write in flight (its partial is cleaned later)
+        except BaseException:
+            self._writer.wait(raise_error=False)  # the checkpoint in flight is still sealed; the error wins
+            raise
+        else:
+            self.wait_for_checkpoint()  # the final (eviction) checkpoint is sealed before the loop ends
+        finally:
+            self.at_eval = self.stopping = False
+            if self._progress is not None:
+                self._progress.close()
+            if self.evicted:
+                log.warning("stop requested (%s): loop ended after step %d", self._stop.reason, self.step)
+
+    def interruptible(self) -> Any:
+        """A block in which a stop signal raises :class:`gwenlake_hpc.base.signals.StopInterrupt` at once (see
+        :meth:`StopRequest.interrupting`); used by short fits, which have nothing to save half-way."""
+        return self._stop.interrupting()
+
+    def _agree_on_stop(self) -> bool:
+        """Whether any rank was asked to stop; a rank that was not records the other's reason (for its log)."""
+        if not self.dist.enabled:
+            return self._stop.requested
+        stop = self._stop
+        # One collective carries who stopped and why: signal number (0: a request without a signal), then rank.
+        mine = ((int(stop.signum or 0) + 1) << 20) + self.dist.rank if stop.requested else 0
+        agreed = self.dist.max(mine)
+        if agreed and not stop.requested:
+            signum, rank = (agreed >> 20) - 1, agreed & ((1 << 20) - 1)
+            why = signal.Signals(signum).name if signum > 0 else "a stop request"
+            stop.request(f"{why} on rank {rank}")
+        return bool(agreed)
+
+# the RNG's helpers, re-exported where users and the job found them (the current run's helpers are in
+# .current, which imports this module: gwenlake_hpc.current_run, gwenlake_hpc.log_metrics...)
+from .rng import ShieldedWorkerInit, seed_everything  # noqa: E402,F401

@@ -1,0 +1,19 @@
+"""Checkpoints: atomic, streamed, asynchronous, verified while loading. One concern a module:
+
+- :mod:`.store`: the checkpoints of a run on disk: write into a partial directory, seal with a manifest,
+  rename; find the newest intact one; retention; format versions.
+- :mod:`.state`: ``save_state``/``load_state``, a training state (model, optimizer, scheduler, extras) in one
+  safetensors file.
+- :mod:`.tensorfile`: the safetensors format written and read in one streamed pass with its digest; host
+  snapshots for asynchronous writes.
+- :mod:`.writer`: the background thread that seals asynchronous checkpoints, one at a time.
+- :mod:`.digest`: the file digests of manifests (XXH3-128; sha256 for format 1).
+"""
+
+from .store import (MANIFEST, RANKS_DIR, RUN_STATE, BufferPool, Checkpoint, CheckpointFormatError, CheckpointStore,
+                    PendingCheckpoint, rank_state_name)
+from ...base.errors import DamagedFileError
+from .writer import BackgroundWriter
+
+__all__ = ["MANIFEST", "RANKS_DIR", "RUN_STATE", "BufferPool", "Checkpoint", "CheckpointFormatError",
+           "CheckpointStore", "PendingCheckpoint", "rank_state_name", "DamagedFileError", "BackgroundWriter"]

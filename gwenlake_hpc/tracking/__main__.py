@@ -1,7 +1,0 @@
-"""``python -m gwenlake_hpc.tracking``: the delivery process a Tracker starts (see :mod:`.delivery`)."""
-
-import sys
-
-from .delivery import main
-
-sys.exit(main())
