@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 
 from gwenlake_hpc import load_state, save_state
-from gwenlake_hpc.checkpoints import CheckpointStore
-from gwenlake_hpc.run import Run
-from gwenlake_hpc.signals import StopRequest
-from gwenlake_hpc.tracking import NullTracker
+from gwenlake_hpc.stores.checkpoints import CheckpointStore
+from gwenlake_hpc.runtime.run import Run
+from gwenlake_hpc.base.signals import StopRequest
+from gwenlake_hpc.stores.tracking import NullTracker
 
 
 def rss_kib(field: str = "VmRSS") -> int:

@@ -163,16 +163,16 @@ def check_tracked(project: Path, c: float) -> None:
 
 #: Functions of the job whose cumulative wall time the breakdown prints (``file:function`` in cProfile's terms).
 PHASES = [
-    ("hydra_compose", "hydra/_internal/hydra.py", "compose_config"), ("plan", "gwenlake_hpc/plan.py", "plan"),
-    ("plan_import_user_code", "gwenlake_hpc/plan.py", "load_target"),
-    ("datasets_open", "gwenlake_hpc/plan.py", "open_inputs"), ("lock", "gwenlake_hpc/job.py", "__init__"),  # RunLock
-    ("tracker_start", "gwenlake_hpc/tracking/tracker.py", "__init__"),
-    ("git_code_state", "gwenlake_hpc/versioning/code.py", "code_state"),
-    ("datasets_to_frame", "gwenlake_hpc/transforms.py", "to_frame"),
-    ("user_fit", "lr_short.py", "fit"), ("wait_delivery_attached", "gwenlake_hpc/tracking/tracker.py", "wait_attached"),
-    ("git_commit", "gwenlake_hpc/versioning/commit.py", "commit_model"),
-    ("registry_after_commit", "gwenlake_hpc/registry/training.py", "after_commit"),
-    ("tracker_finish_wait", "gwenlake_hpc/tracking/tracker.py", "finish"),
+    ("hydra_compose", "hydra/_internal/hydra.py", "compose_config"), ("plan", "gwenlake_hpc/job/plan.py", "plan"),
+    ("plan_import_user_code", "gwenlake_hpc/job/plan.py", "load_target"),
+    ("datasets_open", "gwenlake_hpc/job/plan.py", "open_inputs"), ("lock", "gwenlake_hpc/job/execute.py", "__init__"),  # RunLock
+    ("tracker_start", "gwenlake_hpc/stores/tracking/tracker.py", "__init__"),
+    ("git_code_state", "gwenlake_hpc/stores/versioning/code.py", "code_state"),
+    ("datasets_to_frame", "gwenlake_hpc/authoring/short_fit.py", "to_frame"),
+    ("user_fit", "lr_short.py", "fit"), ("wait_delivery_attached", "gwenlake_hpc/stores/tracking/tracker.py", "wait_attached"),
+    ("git_commit", "gwenlake_hpc/stores/versioning/commit.py", "commit_model"),
+    ("registry_after_commit", "gwenlake_hpc/stores/registry/training.py", "after_commit"),
+    ("tracker_finish_wait", "gwenlake_hpc/stores/tracking/tracker.py", "finish"),
 ]
 
 DELIVERY_PIECES = """
@@ -180,7 +180,7 @@ import time
 t0 = time.perf_counter()
 from mlflow import MlflowClient
 t1 = time.perf_counter()
-from gwenlake_hpc.tracking.sqlite import ensure_sqlite_store, sqlite_uri
+from gwenlake_hpc.stores.tracking.sqlite import ensure_sqlite_store, sqlite_uri
 uri = sqlite_uri("runs/mlflow.db")
 ensure_sqlite_store(uri)
 t2 = time.perf_counter()

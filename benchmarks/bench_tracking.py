@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from gwenlake_hpc.run import Run
-from gwenlake_hpc.signals import StopRequest
-from gwenlake_hpc.tracking import NullTracker, Tracker, default_uri
+from gwenlake_hpc.runtime.run import Run
+from gwenlake_hpc.base.signals import StopRequest
+from gwenlake_hpc.stores.tracking import NullTracker, Tracker, default_uri
 
 logging.getLogger("gwenlake_hpc").setLevel(logging.WARNING)
 

@@ -112,7 +112,7 @@ USER_CLUSTER_FILE = ("host: login.example.org\nport: 2222\nuser: me\nkey_file: ~
 def test_a_cluster_file_with_only_the_connection_keys_takes_the_launcher_defaults(project, schema_line):
     from hydra import compose, initialize_config_dir
 
-    from gwenlake_hpc.config import SlurmLauncherConfig, register, typed_cluster
+    from gwenlake_hpc.job.config import SlurmLauncherConfig, register, typed_cluster
     from gwenlake_hpc.launch.remote import effective_launcher
 
     head = "defaults:\n  - cluster_schema\n  - _self_\n" if schema_line else ""

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from gwenlake_hpc.checkpoints import MANIFEST, CheckpointStore
-from gwenlake_hpc.errors import ConfigError
+from gwenlake_hpc.stores.checkpoints import MANIFEST, CheckpointStore
+from gwenlake_hpc.base.errors import ConfigError
 
 
 def _write(store, step, payload=b"x"):

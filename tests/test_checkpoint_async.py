@@ -12,12 +12,12 @@ from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 
 from gwenlake_hpc import CheckpointError, load_state, save_state
-from gwenlake_hpc.checkpoints import MANIFEST, CheckpointFormatError, CheckpointStore, DamagedFileError
-from gwenlake_hpc.checkpoints import store as store_mod
-from gwenlake_hpc.checkpoints.tensorfile import read_tensors, write_tensors
-from gwenlake_hpc.run import Run
-from gwenlake_hpc.signals import StopRequest
-from gwenlake_hpc.tracking import NullTracker
+from gwenlake_hpc.stores.checkpoints import MANIFEST, CheckpointFormatError, CheckpointStore, DamagedFileError
+from gwenlake_hpc.stores.checkpoints import store as store_mod
+from gwenlake_hpc.stores.checkpoints.tensorfile import read_tensors, write_tensors
+from gwenlake_hpc.runtime.run import Run
+from gwenlake_hpc.base.signals import StopRequest
+from gwenlake_hpc.stores.tracking import NullTracker
 
 
 def all_kinds():

@@ -1,8 +1,8 @@
 """Bad settings, in process (fast tier): exit status 2, a message naming the key, and nothing written or deleted.
 
-The command line's own entry point (``gwenlake_hpc.cli.main``) runs here, in the test's process, against a
+The command line's own entry point (``gwenlake_hpc.cli.dispatch.main``) runs here, in the test's process, against a
 project trained once; ``tests/test_bad_input.py`` keeps a few of the same cases as real subprocesses. The
-rules themselves (``gwenlake_hpc.rules``, applied by the config dataclasses) are tested below on their own.
+rules themselves (``gwenlake_hpc.base.rules``, applied by the config dataclasses) are tested below on their own.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from gwenlake_hpc.config import typed, typed_launcher
-from gwenlake_hpc.errors import ConfigError
+from gwenlake_hpc.job.config import typed, typed_launcher
+from gwenlake_hpc.base.errors import ConfigError
 
 
 def snapshot(root):
@@ -43,7 +43,7 @@ CLUSTER_FILES = {
 def trained(tmp_path_factory):
     """The tests' project with one finished run (in process), a plain file and a symlink loop."""
     from conftest import make_test_project
-    from gwenlake_hpc.cli import main
+    from gwenlake_hpc.cli.dispatch import main
 
     project = make_test_project(tmp_path_factory.mktemp("config-errors") / "project")
     mp = pytest.MonkeyPatch()
@@ -147,7 +147,7 @@ def trained(tmp_path_factory):
 ])
 def test_a_bad_setting_exits_2_names_the_key_and_changes_nothing(trained, args, needle, monkeypatch, capfd,
                                                                  caplog):
-    from gwenlake_hpc.cli import main
+    from gwenlake_hpc.cli.dispatch import main
 
     monkeypatch.chdir(trained.root)
     monkeypatch.delenv("GWENLAKE_CONF", raising=False)
@@ -206,7 +206,7 @@ def test_the_sbatch_parameters_read_the_typed_launcher():
 
 
 def test_fit_local_and_fit_submit_refuse_bad_values_as_the_command_line_does(trained, monkeypatch):
-    from gwenlake_hpc.plan import load_target
+    from gwenlake_hpc.job.plan import load_target
 
     monkeypatch.chdir(trained.root)
     monkeypatch.delenv("GWENLAKE_CONF", raising=False)
@@ -223,9 +223,9 @@ def test_fit_local_and_fit_submit_refuse_bad_values_as_the_command_line_does(tra
 
 
 def test_the_run_and_fit_local_apply_the_same_rules(tmp_path):
-    from gwenlake_hpc.run import Run
-    from gwenlake_hpc.signals import StopRequest
-    from gwenlake_hpc.tracking.tracker import NullTracker
+    from gwenlake_hpc.runtime.run import Run
+    from gwenlake_hpc.base.signals import StopRequest
+    from gwenlake_hpc.stores.tracking.tracker import NullTracker
 
     common = dict(run_dir=tmp_path / "r", run_key="k", epochs=None, seed=0, tracker=NullTracker(),
                   stop=StopRequest(), progress="off")

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from gwenlake_hpc.errors import ConfigError
+from gwenlake_hpc.base.errors import ConfigError
 from gwenlake_hpc.launch import container as ctr
-from gwenlake_hpc.run_environment import check_same_image, container_start
+from gwenlake_hpc.job.run_environment import check_same_image, container_start
 from oci_bundle import make_bundle
 
 
@@ -258,7 +258,7 @@ def test_a_changed_image_warns_or_is_refused_when_pinned(caplog):
 
 
 def test_requeue_module_runs_standalone_with_the_same_exit_status():
-    from gwenlake_hpc.errors import EXIT_EVICTED
+    from gwenlake_hpc.base.errors import EXIT_EVICTED
     from gwenlake_hpc.launch import requeue
 
     assert requeue.EXIT_EVICTED == EXIT_EVICTED
@@ -266,8 +266,8 @@ def test_requeue_module_runs_standalone_with_the_same_exit_status():
 
 def test_decorator_image_is_the_default_the_config_overrides():
     from gwenlake_hpc.launch.slurm import with_declared
-    from gwenlake_hpc.resources import Resources, parse_resources
-    from gwenlake_hpc.errors import TrainDefinitionError
+    from gwenlake_hpc.authoring.resources import Resources, parse_resources
+    from gwenlake_hpc.base.errors import TrainDefinitionError
 
     res = parse_resources({"image": "/img/train.sif"})
     assert Resources.from_dict(res.to_dict()) == res

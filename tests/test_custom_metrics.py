@@ -7,8 +7,8 @@ import socket
 
 import pytest
 
-from gwenlake_hpc.tracking import custom_metrics
-from gwenlake_hpc.tracking.custom_metrics import log_custom_metric
+from gwenlake_hpc.stores.tracking import custom_metrics
+from gwenlake_hpc.stores.tracking.custom_metrics import log_custom_metric
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from gwenlake_hpc.data import (
     dataset_path,
     import_table,
 )
-from gwenlake_hpc.errors import ConfigError, DataError
+from gwenlake_hpc.base.errors import ConfigError, DataError
 
 
 def _idx_order(batches: list[dict]) -> np.ndarray:

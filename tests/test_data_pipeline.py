@@ -16,7 +16,7 @@ import torch
 
 from gwenlake_hpc import Input, Output, train
 from gwenlake_hpc.data import Catalog, Dataset, IterableBatches, content_revision
-from gwenlake_hpc.errors import ConfigError, DataError
+from gwenlake_hpc.base.errors import ConfigError, DataError
 
 
 @pytest.fixture
@@ -381,7 +381,7 @@ def test_chunked_parquet_import_matches_a_whole_read(catalog, tmp_path):
 def test_data_import_command_streams_the_file(catalog, tmp_path):
     src = tmp_path / "t.csv"
     pd.DataFrame({"a": np.arange(10), "b": [f"x{i}" for i in range(10)]}).to_csv(src, index=False)
-    from gwenlake_hpc.cli import run_subcommand
+    from gwenlake_hpc.cli.dispatch import run_subcommand
 
     assert run_subcommand(["data", "import", str(src), "g.cli", "--data-root", str(catalog.data_root)]) == 0
     with catalog.open("g.cli") as ds:

@@ -97,7 +97,7 @@ def test_a_start_killed_between_its_commit_and_its_record_commits_no_second_vers
     The rerun finds the version by its run key and final step and commits nothing new."""
     import json
 
-    from gwenlake_hpc.versioning import list_versions
+    from gwenlake_hpc.stores.versioning import list_versions
 
     first = project.run("+job=t", "job.steps=30", check=0)
     version = first.stdout.strip().splitlines()[-1].split()[-1]
@@ -122,7 +122,7 @@ def test_a_start_killed_between_its_commit_and_its_record_commits_no_second_vers
 
 @pytest.mark.slow
 def test_a_function_that_saves_no_model_or_returns_a_str_commits_nothing(project):
-    from gwenlake_hpc.versioning import list_versions
+    from gwenlake_hpc.stores.versioning import list_versions
 
     none = project.run("+job=t", "job.steps=20", env={"GWL_TEST_BAD": "nooutput"})
     log = none.stdout + none.stderr

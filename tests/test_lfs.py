@@ -12,9 +12,9 @@ import git
 import pytest
 
 from conftest import run_concurrently
-from gwenlake_hpc.errors import GwenlakeError
-from gwenlake_hpc.registry import load_model
-from gwenlake_hpc.versioning import commit_model, export_version, is_lfs_pointer, push_versions, read_file
+from gwenlake_hpc.base.errors import GwenlakeError
+from gwenlake_hpc.stores.registry import load_model
+from gwenlake_hpc.stores.versioning import commit_model, export_version, is_lfs_pointer, push_versions, read_file
 
 pytestmark = pytest.mark.skipif(shutil.which("git-lfs") is None, reason="git-lfs is not installed "
                                 "(Debian: apt-get install git-lfs)")
@@ -165,7 +165,7 @@ def test_many_commits_in_one_process_leave_no_git_processes(tmp_path):
 
 
 def test_after_commit_pushes_to_the_configured_remote_and_sets_candidate(tmp_path):
-    from gwenlake_hpc.registry import after_commit, current_aliases
+    from gwenlake_hpc.stores.registry import after_commit, current_aliases
 
     repo = lfs_repo(tmp_path / "models")
     remote = tmp_path / "shared.git"

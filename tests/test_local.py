@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gwenlake_hpc import load_model, save_model
-from gwenlake_hpc.errors import ConfigError
+from gwenlake_hpc.base.errors import ConfigError
 
 
 def trainer_of(project, name):

@@ -10,8 +10,8 @@ from torch import nn
 
 import gwenlake_hpc
 from gwenlake_hpc import load_state
-from gwenlake_hpc.checkpoints.named import latest_path, list_named, save_named
-from gwenlake_hpc.errors import ConfigError, GwenlakeError
+from gwenlake_hpc.stores.checkpoints.named import latest_path, list_named, save_named
+from gwenlake_hpc.base.errors import ConfigError, GwenlakeError
 
 
 def test_save_replace_latest_and_list(tmp_path):

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from gwenlake_hpc.data import write_dataset
-from gwenlake_hpc.errors import NonFiniteError
-from gwenlake_hpc.finish import finite_json
-from gwenlake_hpc.run import Run
-from gwenlake_hpc.signals import StopRequest
-from gwenlake_hpc.tracking import NullTracker
+from gwenlake_hpc.base.errors import NonFiniteError
+from gwenlake_hpc.job.finish import finite_json
+from gwenlake_hpc.runtime.run import Run
+from gwenlake_hpc.base.signals import StopRequest
+from gwenlake_hpc.stores.tracking import NullTracker
 
 
 def make_run(tmp_path, **kw):

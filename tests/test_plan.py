@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from gwenlake_hpc.data import Catalog
-from gwenlake_hpc.errors import ConfigError
-from gwenlake_hpc.plan import PlanCache, dataset_facts, open_inputs
+from gwenlake_hpc.base.errors import ConfigError
+from gwenlake_hpc.job.plan import PlanCache, dataset_facts, open_inputs
 
 
 def write(catalog: Catalog, value: float) -> str:

@@ -12,8 +12,8 @@ from mlflow import MlflowClient
 
 from conftest import mlflow_server_fixture, run_concurrently
 from gwenlake_hpc.data import Catalog
-from gwenlake_hpc.errors import ConfigError, GwenlakeError
-from gwenlake_hpc.registry import alias_history, current_aliases, load_model, move_alias, rollback_target
+from gwenlake_hpc.base.errors import ConfigError, GwenlakeError
+from gwenlake_hpc.stores.registry import alias_history, current_aliases, load_model, move_alias, rollback_target
 from release_project import make_scorer_project, train
 
 

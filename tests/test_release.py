@@ -13,7 +13,7 @@ from sklearn.metrics import roc_auc_score
 
 from conftest import make_churn_project, mlflow_server_fixture
 from gwenlake_hpc.data import Catalog
-from gwenlake_hpc.registry import alias_history, current_aliases, load_model
+from gwenlake_hpc.stores.registry import alias_history, current_aliases, load_model
 from release_project import make_scorer_project, train
 
 
@@ -164,7 +164,7 @@ def test_done_when_churn_trained_twice_listed_loaded_promoted_refused_rolled_bac
 
 @pytest.mark.slow
 def test_promote_from_a_run_its_own_version_or_its_best_checkpoint_through_the_gate(tmp_path, monkeypatch, capsys):
-    from gwenlake_hpc.checkpoints import CheckpointStore
+    from gwenlake_hpc.stores.checkpoints import CheckpointStore
 
     p = make_scorer_project(tmp_path / "project")
     own, _ = train(p, "scorer:fit_ckpt")
@@ -193,12 +193,12 @@ def test_promote_from_a_run_its_own_version_or_its_best_checkpoint_through_the_g
     again = p.run("models", "promote", "t.scorer", "--from-run", key, "--criterion", "min:train_auc",
                   "--alias", "staging", check=0)
     assert f"is version {version} already" in again.stdout and "already holds alias staging" in again.stdout
-    from gwenlake_hpc.versioning import list_versions
+    from gwenlake_hpc.stores.versioning import list_versions
 
     assert len(list_versions(p.root, "t.scorer")) == 2  # no second commit of that checkpoint
 
     # Bad input, in this process (the command line's own function): exit 2, the reason, nothing committed.
-    from gwenlake_hpc.cli import run_subcommand
+    from gwenlake_hpc.cli.dispatch import run_subcommand
 
     monkeypatch.chdir(p.root)
     for args, needle in ((["--from-run", key, "--criterion", "max:nope"], "recorded: train_auc"),

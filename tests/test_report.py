@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from gwenlake_hpc.cli import run_subcommand
-from gwenlake_hpc.report import draw, smooth
+from gwenlake_hpc.cli.dispatch import run_subcommand
+from gwenlake_hpc.cli.report import draw, smooth
 
 
 def test_smoothing_keeps_a_constant_series_constant_thanks_to_the_debias():

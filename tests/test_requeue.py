@@ -5,8 +5,8 @@ import stat
 import pytest
 from omegaconf import OmegaConf
 
-from gwenlake_hpc.config import SlurmLauncherConfig
-from gwenlake_hpc.errors import ConfigError
+from gwenlake_hpc.job.config import SlurmLauncherConfig
+from gwenlake_hpc.base.errors import ConfigError
 from gwenlake_hpc.launch.requeue import decide, parse_slurm_time
 from gwenlake_hpc.launch.slurm import sbatch_parameters, setup_lines, write_secrets
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gwenlake_hpc import Input, Output, train
-from gwenlake_hpc.errors import TrainDefinitionError
-from gwenlake_hpc.resources import parse_cpu, parse_gpu, parse_memory
+from gwenlake_hpc.base.errors import TrainDefinitionError
+from gwenlake_hpc.authoring.resources import parse_cpu, parse_gpu, parse_memory
 
 
 def test_memory_forms_in_mib():

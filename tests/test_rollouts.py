@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from mlflow import MlflowClient
 
-from gwenlake_hpc.tracking.rollouts import ROLLOUT_TAG, deliver_rollout, rollout_entry, validate_messages
+from gwenlake_hpc.stores.tracking.rollouts import ROLLOUT_TAG, deliver_rollout, rollout_entry, validate_messages
 
 CHAT = [{"role": "user", "content": "2+2?"},
         {"role": "assistant", "content": None, "tool_calls": [
@@ -84,7 +84,7 @@ def server(tmp_path_factory):
 def test_rollouts_and_tagged_series_through_an_mlflow_server(server):
     """The same trace calls over MLflow's REST API (PostgreSQL-backed where it answers), and a tagged series
     name the server accepts."""
-    from gwenlake_hpc.tracking.metric_tags import run_tag, tagged_series
+    from gwenlake_hpc.stores.tracking.metric_tags import run_tag, tagged_series
 
     client = MlflowClient(tracking_uri=server.uri)
     exp = client.create_experiment("rollouts-server")

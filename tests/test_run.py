@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from gwenlake_hpc.data import Catalog
-from gwenlake_hpc.errors import ConfigError, GwenlakeError
-from gwenlake_hpc.run import Run, seed_everything
-from gwenlake_hpc.signals import StopRequest
+from gwenlake_hpc.base.errors import ConfigError, GwenlakeError
+from gwenlake_hpc.runtime.run import Run, seed_everything
+from gwenlake_hpc.base.signals import StopRequest
 
 
 class Recorder:
@@ -130,11 +130,11 @@ def test_resume_restores_step_rng_and_data_position(tmp_path):
 SHORT_FIT_WITHOUT_TORCH = """
 import sys
 from pathlib import Path
-import gwenlake_hpc.job, gwenlake_hpc.transforms
-from gwenlake_hpc.rng import seed_everything
-from gwenlake_hpc.run import Run
-from gwenlake_hpc.signals import StopRequest
-from gwenlake_hpc.tracking import NullTracker
+import gwenlake_hpc.job.execute, gwenlake_hpc.transforms
+from gwenlake_hpc.runtime.rng import seed_everything
+from gwenlake_hpc.runtime.run import Run
+from gwenlake_hpc.base.signals import StopRequest
+from gwenlake_hpc.stores.tracking import NullTracker
 seed_everything(7)
 seed_everything(5)  # the job's second Run (a damaged checkpoint set aside): the later seed wins
 run = Run(run_dir=Path(sys.argv[1]), run_key="k", steps=1, epochs=None, eval_every=1, seed=5,
@@ -186,7 +186,7 @@ def test_log_tags_and_summary(tmp_path):
 
 
 def test_metric_tags_step_and_epoch_give_the_x_axis_and_odd_values_are_made_safe(tmp_path, caplog):
-    from gwenlake_hpc.run import active, current_run, log_metrics
+    from gwenlake_hpc.runtime.current import active, current_run, log_metrics
 
     run = make_run(tmp_path, steps=3)
     for step, _ in run.steps():
@@ -215,7 +215,7 @@ def test_metric_tags_step_and_epoch_give_the_x_axis_and_odd_values_are_made_safe
 
 
 def test_progress_line_reports_rate_and_eta():
-    from gwenlake_hpc.progress import Progress
+    from gwenlake_hpc.runtime.progress import Progress
 
     p = Progress(total=1000, start=200, mode="lines", every_s=30)
     p.loss = 0.25

@@ -6,7 +6,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 from submitit.slurm.slurm import _make_sbatch_string
 
-from gwenlake_hpc.config import SlurmLauncherConfig
+from gwenlake_hpc.job.config import SlurmLauncherConfig
 from gwenlake_hpc.launch.sbatch_script import render_sbatch
 from gwenlake_hpc.launch.slurm import sbatch_parameters
 

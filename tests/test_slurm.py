@@ -409,7 +409,7 @@ def test_lost_node_requeues_and_resumes_from_newest_checkpoint(project):
 HANDLE_SCRIPT = r'''
 import json, sys
 from gwenlake_hpc import GwenlakeError
-from gwenlake_hpc.plan import load_target
+from gwenlake_hpc.job.plan import load_target
 
 fit = load_target("trainer.py:fit")
 out = {}
@@ -560,7 +560,7 @@ def test_a_sweep_of_short_fits_is_one_job_array_of_versions(project):
     m = re.search(r"submitted job array (\d+) \(2 tasks, one sbatch\)", proc.stdout)
     assert m, proc.stdout + proc.stderr
     assert [finish(f"{m.group(1)}_{i}") for i in range(2)] == ["COMPLETED", "COMPLETED"]
-    from gwenlake_hpc.versioning import list_versions
+    from gwenlake_hpc.stores.versioning import list_versions
 
     versions = list_versions(project.root, "t.model")
     assert len(versions) == 2

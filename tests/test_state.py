@@ -144,7 +144,7 @@ def test_a_model_only_file_is_what_safetensors_save_model_writes(tmp_path, make,
 def test_model_files_of_the_old_prefixed_layout_still_load(tmp_path):
     """A model-only file as gwenlake_hpc wrote it before issue 21: tensors named ``model.<key>``, tied weights as
     an alias (the metadata is the old writer's, byte for byte)."""
-    from gwenlake_hpc.checkpoints.tensorfile import write_tensors
+    from gwenlake_hpc.stores.checkpoints.tensorfile import write_tensors
 
     torch.manual_seed(0)
     old = torch.nn.Linear(2, 3)

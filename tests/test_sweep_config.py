@@ -5,7 +5,7 @@ from __future__ import annotations
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from gwenlake_hpc.config import register
+from gwenlake_hpc.job.config import register
 from hydra_plugins.gwenlake_launcher.gwenlake_launcher import derive_task_config
 
 

@@ -1,4 +1,4 @@
-"""Tests of gwenlake_hpc.tracking against a real MLflow: a SQLite store and a real server.
+"""Tests of gwenlake_hpc.stores.tracking against a real MLflow: a SQLite store and a real server.
 
 The server (tests/mlflow_server.py) is started once for the module; the outage tests kill it
 (SIGKILL of its process group) and start it again on the same port and backend.
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from gwenlake_hpc.errors import ConfigError
-from gwenlake_hpc.tracking.spool import points_of, read_all
+from gwenlake_hpc.base.errors import ConfigError
+from gwenlake_hpc.stores.tracking.spool import points_of, read_all
 from conftest import wait_until
-from gwenlake_hpc.tracking import (
+from gwenlake_hpc.stores.tracking import (
     ATTACH_COUNT_TAG,
     PENDING_STATUS_FILE,
     RUN_ID_FILE,

@@ -18,10 +18,10 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import wait_until
-from gwenlake_hpc.tracking import Tracker, default_uri
-from gwenlake_hpc.tracking import spool as spool_mod
-from gwenlake_hpc.tracking import delivery_process
-from gwenlake_hpc.tracking.spool import SpoolReader, SpoolWriter, encode, points_of, read_all, segment_paths
+from gwenlake_hpc.stores.tracking import Tracker, default_uri
+from gwenlake_hpc.stores.tracking import spool as spool_mod
+from gwenlake_hpc.stores.tracking import delivery_process
+from gwenlake_hpc.stores.tracking.spool import SpoolReader, SpoolWriter, encode, points_of, read_all, segment_paths
 
 
 def steps_of(client: MlflowClient, run_id: str, key: str = "loss") -> list[int]:
@@ -93,7 +93,7 @@ def test_spool_segments_locks_rotation_and_torn_lines(tmp_path: Path, monkeypatc
 
 TRAINING = textwrap.dedent("""
     import json, sys, time
-    from gwenlake_hpc.tracking import Tracker
+    from gwenlake_hpc.stores.tracking import Tracker
     uri, state, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     t = Tracker(uri, "exp", "r", state, flush_interval_s=0.2)
     if mode == "die-early":  # killed before the delivery process has attached the run (it imports MLflow first)

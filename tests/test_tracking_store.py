@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from gwenlake_hpc.tracking import BrokenStoreError, ensure_sqlite_store, sqlite_path, sqlite_uri, sync
+from gwenlake_hpc.stores.tracking import BrokenStoreError, ensure_sqlite_store, sqlite_path, sqlite_uri, sync
 
-CREATE = ("import sys; from gwenlake_hpc.tracking import ensure_sqlite_store as e; from mlflow import MlflowClient;"
+CREATE = ("import sys; from gwenlake_hpc.stores.tracking import ensure_sqlite_store as e; from mlflow import MlflowClient;"
           "e(sys.argv[1]); c = MlflowClient(sys.argv[1]);"
           "x = c.create_experiment(sys.argv[2]); c.create_run(x); print('ok')")
 
@@ -56,7 +56,7 @@ def test_kill_during_creation_leaves_no_store_or_a_whole_one(tmp_path):
 
 @pytest.mark.parametrize("store_exists", [False, True])
 def test_a_killed_creators_temporary_store_and_its_journal_are_removed(tmp_path, store_exists):
-    from gwenlake_hpc.tracking import sqlite as sqlite_mod
+    from gwenlake_hpc.stores.tracking import sqlite as sqlite_mod
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     if store_exists:

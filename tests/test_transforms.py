@@ -9,7 +9,7 @@ import pytest
 from mlflow import MlflowClient
 
 from gwenlake_hpc.data import Catalog
-from gwenlake_hpc.errors import TrainDefinitionError
+from gwenlake_hpc.base.errors import TrainDefinitionError
 from gwenlake_hpc.transforms import Input, Output, to_frame, train
 
 

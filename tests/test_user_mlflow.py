@@ -201,7 +201,7 @@ def test_without_entry_points_the_store_is_registered_once_mlflow_is_imported(tm
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from gwenlake_hpc.tracking import user_mlflow
+    from gwenlake_hpc.stores.tracking import user_mlflow
 
     monkeypatch.setattr(user_mlflow, "_plugins_installed", lambda: False)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

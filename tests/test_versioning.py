@@ -1,4 +1,4 @@
-"""Tests of gwenlake_hpc.versioning against real git repositories in tmp_path."""
+"""Tests of gwenlake_hpc.stores.versioning against real git repositories in tmp_path."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import git
 import pytest
 
 from conftest import run_concurrently
-from gwenlake_hpc.errors import ConfigError, GwenlakeError
-from gwenlake_hpc.versioning import (
+from gwenlake_hpc.base.errors import ConfigError, GwenlakeError
+from gwenlake_hpc.stores.versioning import (
     CODE_TRAILER,
     FALLBACK_EMAIL,
     FALLBACK_NAME,

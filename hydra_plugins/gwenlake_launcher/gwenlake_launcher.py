@@ -165,7 +165,7 @@ class GwenlakeSlurmLauncher(Launcher):
         self.task_function = task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from gwenlake_hpc.errors import GwenlakeError
+        from gwenlake_hpc.base.errors import GwenlakeError
         from gwenlake_hpc.launch.sweep import submit_array
 
         setup_globals()
