@@ -14,6 +14,7 @@ from conftest import mlflow_server_fixture, run_concurrently
 from gwenlake_hpc.data import Catalog
 from gwenlake_hpc.base.errors import ConfigError, GwenlakeError
 from gwenlake_hpc.stores.registry import alias_history, current_aliases, load_model, move_alias, rollback_target
+from gwenlake_hpc.stores.versioning import list_versions
 from release_project import make_scorer_project, train
 
 
@@ -83,7 +84,7 @@ def test_load_by_sha_and_by_alias_and_predict(scorer):
 
 
 def test_model_alias_binding_resolves_and_logs(scorer):
-    versions = [v["version"] for v in __import__("gwenlake_hpc").versioning.list_versions(scorer.root, "t.scorer")]
+    versions = [v["version"] for v in list_versions(scorer.root, "t.scorer")]
     move_alias("t.scorer", "champion", versions[-1], repo=scorer.root, action="set", reason="test")
     sha, err = train(scorer, "scorer:tune", "job.tracking=false")
     assert f"Model('t.scorer', alias='champion') resolved to version {versions[-1]}" in err
@@ -93,7 +94,7 @@ def test_model_alias_binding_resolves_and_logs(scorer):
 
 
 def test_concurrent_alias_moves_all_recorded_and_rollback_walks_back(scorer):
-    versions = [v["version"] for v in __import__("gwenlake_hpc").versioning.list_versions(scorer.root, "t.scorer")]
+    versions = [v["version"] for v in list_versions(scorer.root, "t.scorer")]
     before = len(alias_history("t.scorer", scorer.root))
     n = 10
     run_concurrently(n, lambda i: move_alias("t.scorer", f"a{i}", versions[i % len(versions)], repo=scorer.root))
