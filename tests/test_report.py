@@ -53,3 +53,22 @@ def test_a_bad_smoothing_weight_exits_2_naming_the_option(tmp_path, capsys, valu
     assert code == 2
     err = capsys.readouterr().err
     assert "--smoothing" in err and "Traceback" not in err
+
+
+def test_an_infinite_point_leaves_a_gap_and_the_curve_drawn():
+    # MLflow stores inf as the largest double: read back, it is finite, and it used to flatten the whole panel.
+    acc = {s: 0.5 + 0.01 * s for s in range(1, 11)}
+    acc[4], acc[7] = 1.7976931348623157e308, float("inf")
+    ax = draw({"acc": acc}, marks=[], title="t", smoothing=0.6).axes[0]
+    raw = list(ax.get_lines()[0].get_ydata())
+    assert [i + 1 for i, y in enumerate(raw) if math.isnan(y)] == [4, 7]
+    assert [y for y in raw if not math.isnan(y)] == [acc[s] for s in range(1, 11) if s not in (4, 7)]
+    low, high = ax.get_ylim()
+    assert 0.4 < low < 0.52 and 0.59 < high < 0.7  # the axis fits the finite points
+    assert "2 non-finite point(s) not drawn" in [t.get_text() for t in ax.texts]
+
+
+def test_minus_zero_is_zero():
+    from gwenlake_hpc.cli.report import check_smoothing
+
+    assert str(check_smoothing("-0")) == "0.0"

@@ -1,6 +1,7 @@
 """The requeue decision taken after a job step (pure logic; the cluster tests exercise it for real)."""
 
 import stat
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -193,6 +194,34 @@ def test_the_retry_budget_counts_starts_in_a_row_without_progress_and_max_starts
     # SLURM's own endings and the other outcomes name no rule
     assert decide(75, 0, 3, 40, 30, state="COMPLETING", stalled=9).rule is None
     assert decide(0, 0, 3, None, 30, stalled=9).action == "done"
+
+
+def test_a_start_past_max_starts_fails_naming_the_rule_whatever_its_status():
+    # SLURM requeued the job itself (a preemption) after the last start allowed: the job refused to train (1)
+    d = decide(1, 1, 3, 500, 30, "RUNNING", stalled=0, max_starts=1)
+    assert (d.action, d.rule) == ("fail", "launcher.max_starts") and "start 2 is past" in d.reason
+    assert decide(1, 0, 3, 500, 30, "RUNNING", stalled=0, max_starts=1).rule is None  # the first start's own failure
+    assert decide(0, 1, 3, 500, 30, "RUNNING", max_starts=1).action == "done"
+
+
+def test_the_job_refuses_a_start_past_max_starts(tmp_path):
+    from gwenlake_hpc.base.errors import StartLimitError
+    from gwenlake_hpc.job.execute import check_start_limit
+
+    check_start_limit({})  # outside a batch script
+    check_start_limit({"GWENLAKE_MAX_STARTS": "2", "SLURM_RESTART_COUNT": "1"})  # start 2 of 2
+    with pytest.raises(StartLimitError, match=r"start 3 of SLURM job 7 and launcher.max_starts=2"):
+        check_start_limit({"GWENLAKE_MAX_STARTS": "2", "SLURM_RESTART_COUNT": "2", "SLURM_JOB_ID": "7"})
+
+
+def test_every_batch_script_exports_the_start_cap():
+    from gwenlake_hpc.launch.slurm import setup_lines
+    from omegaconf import OmegaConf
+
+    lc = OmegaConf.create({"name": "slurm", "max_starts": 7})
+    assert "export GWENLAKE_MAX_STARTS=7" in setup_lines(lc, None)
+    assert 'export GWENLAKE_MAX_STARTS="$MAX_STARTS"' in (Path(__file__).parent.parent / "sbatch" /
+                                                           "train.sbatch").read_text()
 
 
 def _fake_slurm(tmp_path, squeue: str, scontrol_show: str = ""):

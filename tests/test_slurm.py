@@ -205,6 +205,39 @@ def test_sigkilled_step_is_requeued_and_resumes(project):
     assert "FAILED" in line and "ended by launcher.max_retries" in line, line
 
 
+def test_a_requeue_by_slurm_past_max_starts_is_refused_and_names_the_rule(project):
+    """launcher.max_starts caps every start, SLURM's own requeues included (a preemption, `scontrol requeue`):
+    with max_starts=1 the second start trains nothing, the job ends FAILED naming the rule, its secrets go."""
+    job = submit(project, *SLOW, "launcher.max_starts=1", "launcher.secrets=[GWL_TEST_TOKEN]",
+                 env_vars={"GWL_TEST_SLEEP": "0.05"}, env={"GWL_TEST_TOKEN": "s3cr3t-value"})
+    wait_until(checkpoint_at_least(project, 20), what="a checkpoint at step 20")
+    assert list((run_dir(project) / "slurm").glob("secrets-*.env"))
+    subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True, timeout=60)
+    assert finish(job) == "FAILED"
+    text = log_text(project, job)
+    assert "this is start 2 of SLURM job" in text and "launcher.max_starts=1 caps all starts" in text, text
+    info = json.loads((run_dir(project) / "run.json").read_text())
+    assert len(info["starts"]) == 1  # the second start wrote nothing
+    record = json.loads((run_dir(project) / "slurm" / job / "teardown.json").read_text())
+    assert [(s["restart"], s["action"], s["rule"]) for s in record["starts"]][-1] == (1, "fail", "launcher.max_starts")
+    line = next(ln for ln in project.run("status", check=0).stdout.splitlines() if ln.split()[:1] == [job])
+    assert "FAILED" in line and "ended by launcher.max_starts" in line, line
+    assert not list((run_dir(project) / "slurm").glob("secrets-*.env"))
+
+
+def test_cancel_without_the_runs_root_finds_the_secrets_file_in_the_batch_script(project, tmp_path):
+    """A pending job (its teardown never runs) submitted with another paths.runs_root, cancelled from a directory
+    whose index does not know it: the secrets file its batch script sources is removed all the same."""
+    elsewhere = tmp_path / "elsewhere"
+    job = submit(project, "launcher=slurm", f"paths.runs_root={elsewhere}", "launcher.secrets=[GWL_TEST_TOKEN]",
+                 "+launcher.additional_parameters.begin=now+1hour", env={"GWL_TEST_TOKEN": "s3cr3t-value"})
+    secrets = list(elsewhere.glob("t.model/*/slurm/secrets-*.env"))
+    assert len(secrets) == 1 and state_of(job) == "PENDING"
+    proc = project.run("cancel", job, check=0)
+    assert f"cancelled {job}" in proc.stdout and "warning" not in proc.stderr, proc.stderr
+    assert not secrets[0].exists()
+
+
 def test_exception_fails_the_job_with_traceback(project):
     job = submit(project, "launcher=slurm", "launcher.timeout_min=5", env_vars={"GWL_TEST_BAD": "raise"})
     assert finish(job) == "FAILED"

@@ -55,6 +55,12 @@ class DamagedFileError(CheckpointError):
         self.checkpoint = checkpoint
 
 
+class StartLimitError(GwenlakeError):
+    """This start of a SLURM job is past ``launcher.max_starts`` (``GWENLAKE_MAX_STARTS`` against
+    ``SLURM_RESTART_COUNT`` + 1): SLURM requeued it (a preemption, a lost node) after the last start the budget
+    allows. The job exits 1 before any work; its teardown ends it FAILED, naming the rule."""
+
+
 class NonFiniteError(GwenlakeError):
     """A loss became NaN or infinite (``job.on_nonfinite=stop``, the default): the run ends with exit 1."""
 

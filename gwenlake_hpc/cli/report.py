@@ -31,7 +31,19 @@ def check_smoothing(weight: Any) -> float:
     if not 0.0 <= w < 1.0:  # NaN fails this too
         raise ConfigError(f"--smoothing {weight}: give a weight in [0, 1): 0 draws the raw curves alone, "
                           f"{SMOOTHING} is TensorBoard's default, 0.9 or more suits a very noisy metric")
-    return w
+    return w + 0.0  # -0.0 becomes 0.0
+
+
+#: MLflow stores an infinite metric as the largest double (``sys.float_info.max``): read back, it is finite.
+_STORED_INF = 1.7976931348623157e308
+
+
+def drawable(values: Sequence[float]) -> tuple[list[float], int]:
+    """``values`` with each point that cannot be drawn (NaN, ±inf, and ±inf as MLflow stores it: the largest
+    double) replaced by NaN, which matplotlib leaves as a gap; and how many were replaced. Without this, one such
+    point stretches the axis until the whole curve is flat or gone."""
+    out = [x if math.isfinite(x) and abs(x) < _STORED_INF else math.nan for x in values]
+    return out, sum(1 for x in out if math.isnan(x))
 
 
 def smooth(values: Sequence[float], weight: float) -> list[float]:
@@ -105,8 +117,11 @@ def draw(values: Mapping[str, Mapping[int, float]], marks: Sequence[int], title:
         if keys is not panels[-1] or not times:
             key = keys[0]
             steps = sorted(values[key])
-            ys = [values[key][s] for s in steps]
+            ys, gaps = drawable([values[key][s] for s in steps])
             marker = "." if len(steps) < 50 else None
+            if gaps:
+                ax.text(0.01, 0.98, f"{gaps} non-finite point(s) not drawn", transform=ax.transAxes, va="top",
+                        fontsize="small", color="tab:red")
             if smoothing:
                 (raw,) = ax.plot(steps, ys, marker=marker, lw=1, alpha=0.3, label="raw")
                 ax.plot(steps, smooth(ys, smoothing), lw=1.6, color=raw.get_color(),

@@ -25,7 +25,7 @@ from ..stores.checkpoints import DamagedFileError
 from ..runtime.distributed import Dist
 from ..runtime.distributed import setup as setup_distributed
 from ..runtime.distributed import teardown as teardown_distributed
-from ..base.errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, NonFiniteError
+from ..base.errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, NonFiniteError, StartLimitError
 from .finish import JobResult, Start, finish
 from ..base.fsutil import read_json, write_json_atomic
 from .plan import JobPlan, check_resume_point, finished_with, open_inputs, plan
@@ -61,6 +61,11 @@ def execute(cfg: DictConfig | Mapping[str, Any], *, stop: StopRequest | None = N
     Never raises for expected failures: they become the exit code, with the reason logged.
     """
     try:
+        check_start_limit(os.environ)
+    except StartLimitError as exc:
+        log.error("%s", exc)
+        return JobResult(exc.exit_code)
+    try:
         return _execute(cfg, stop or StopRequest())
     except ConfigError as exc:
         log.error("%s", exc)
@@ -68,6 +73,23 @@ def execute(cfg: DictConfig | Mapping[str, Any], *, stop: StopRequest | None = N
     except OmegaConfBaseException as exc:
         log.error("config error: %s", exc)
         return JobResult(EXIT_USAGE)
+
+
+def check_start_limit(environ: Mapping[str, str]) -> None:
+    """Refuse a start past ``launcher.max_starts``: the batch script exports it as ``GWENLAKE_MAX_STARTS``, and
+    SLURM numbers starts with ``SLURM_RESTART_COUNT`` (0 on the first). Outside such a job (either unset or not a
+    number): nothing to check.
+
+    Raises:
+        StartLimitError: ``SLURM_RESTART_COUNT + 1 > GWENLAKE_MAX_STARTS``.
+    """
+    cap, restarts = environ.get("GWENLAKE_MAX_STARTS", ""), environ.get("SLURM_RESTART_COUNT", "0") or "0"
+    if cap.isdigit() and restarts.isdigit() and int(restarts) + 1 > int(cap):
+        raise StartLimitError(
+            f"this is start {int(restarts) + 1} of SLURM job {environ.get('SLURM_JOB_ID', '?')} and "
+            f"launcher.max_starts={cap} caps all starts (SLURM requeued it itself: a preemption or a lost node): "
+            "not training. Its checkpoints are kept: submit the same job again to resume, with a higher "
+            "launcher.max_starts if it should go on by itself")
 
 
 def _execute(cfg: Any, stop: StopRequest) -> JobResult:

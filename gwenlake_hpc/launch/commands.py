@@ -3,6 +3,9 @@ SLURM (:mod:`gwenlake_hpc.launch.status`) and jobs on a cluster over SSH (:mod:`
 
 from __future__ import annotations
 
+import re
+import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,7 +59,40 @@ def cancel(job_id: str, runs_root: Path | None = None) -> int:
 
         return cancel_remote(remote[-1])
     tasks = [r for r in records if r["job_id"] == job_id or str(r["job_id"]).startswith(f"{job_id}_")]
-    return scancel(job_id, [r["secrets"] for r in tasks if r.get("secrets")])
+    if tasks:
+        return scancel(job_id, [r["secrets"] for r in tasks if r.get("secrets")])
+    # Not in this runs root's index (submitted with another paths.runs_root, or by hand): the job's own batch
+    # script names the secrets file it sources. A pending job never runs a teardown that would remove it.
+    secrets = secrets_in_batch_script(job_id)
+    if secrets is None:
+        print(f"warning: job {job_id} is not in {runs_root} and SLURM no longer has its batch script: if it had "
+              "launcher.secrets, its secrets file is not removed (pass --runs-root with the paths.runs_root it was "
+              "submitted with, or delete <run_dir>/slurm/secrets-*.env yourself)", file=sys.stderr)
+    return scancel(job_id, secrets or [])
+
+
+_SOURCED = re.compile(r"^set -a; \. (.+); set \+a$")
+
+
+def secrets_in_batch_script(job_id: str) -> list[str] | None:
+    """The secrets files the job's batch script sources (``set -a; . FILE; set +a``, the line
+    :func:`gwenlake_hpc.launch.slurm.setup_lines` writes), from ``scontrol write batch_script JOB -``; an array
+    task's ``%a``-style path is left out (its index records it). None when SLURM has no script for the job."""
+    try:
+        proc = subprocess.run(["scontrol", "write", "batch_script", job_id, "-"], capture_output=True, text=True,
+                              timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return None
+    found = []
+    for line in proc.stdout.splitlines():
+        m = _SOURCED.match(line.strip())
+        if m:
+            words = shlex.split(m.group(1))
+            if len(words) == 1 and "$" not in words[0] and Path(words[0]).name.startswith("secrets-"):
+                found.append(words[0])
+    return found
 
 
 def _record(runs_root: Path, job_id: str) -> dict:

@@ -101,6 +101,9 @@ def decide(rc: int, restarts: int, max_retries: int, remaining_s: int | None, si
     """
     if rc == 0:
         return Decision("done", "the training finished")
+    if restarts + 1 > max_starts:  # SLURM requeued it past the cap itself; the job refused to train (exit 1)
+        return Decision("fail", f"start {restarts + 1} is past launcher.max_starts={max_starts}: not run, not "
+                                "requeued", "launcher.max_starts")
     if state and state != "RUNNING":
         return Decision("leave", f"the job is {state}: SLURM is ending it (scancel, preemption or time limit) "
                                  "and decides; no requeue from here")
@@ -127,7 +130,7 @@ def _budget(what: str, restarts: int, max_retries: int, stalled: int | None, max
                                 "caps all starts", "launcher.max_starts")
     if in_a_row > max_retries:
         return Decision("fail", f"{what}: not requeued, {in_a_row} start(s) in a row sealed no newer checkpoint "
-                                f"and launcher.max_retries={max_retries} allows that many in a row",
+                                f"and launcher.max_retries={max_retries} requeues at most {max_retries} in a row",
                         "launcher.max_retries")
     progress = ("progress unknown, counted as none" if stalled is None else
                 "this start sealed a newer checkpoint" if stalled == 0 else

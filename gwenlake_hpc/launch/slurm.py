@@ -157,7 +157,8 @@ def shell_path(path: Path | str) -> str:
 def setup_lines(lc: Any, secrets_file: Path | None, array_run_dirs: Sequence[Path] | None = None) -> list[str]:
     """Shell lines run before the step: SIGTERM ignored by the shell, this start's time (``$gwenlake_started``,
     Unix seconds: the teardown counts the checkpoints sealed since), the run directory of each task of a job
-    array (``array_run_dirs``, in task order), the user's ``setup``, then quoted ``export``s, then secrets
+    array (``array_run_dirs``, in task order), the user's ``setup``, then quoted ``export``s
+    (``GWENLAKE_MAX_STARTS``: ``launcher.max_starts``, which the job checks at its start), then secrets
     (``%a`` in ``secrets_file``: the array task's index)."""
     # The batch shell and srun ignore SIGTERM: on preemption or scancel SLURM signals every step, and srun
     # answers SIGTERM by SIGKILLing its tasks at once, which would cut the training's last checkpoint short.
@@ -170,6 +171,8 @@ def setup_lines(lc: Any, secrets_file: Path | None, array_run_dirs: Sequence[Pat
     lines += [f"export {name}={shlex.quote(str(value))}" for name, value in s.env.items()]
     # One thread per process unless told otherwise: jobs share nodes' cores.
     lines.append('export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"')
+    # The job refuses a start past the cap (a preemption's requeue is SLURM's, not the teardown's to refuse)
+    lines.append(f"export GWENLAKE_MAX_STARTS={s.max_starts}")
     if secrets_file is not None:
         lines.append(f"set -a; . {shell_path(secrets_file)}; set +a")
     return lines
