@@ -37,7 +37,7 @@ import torch
 from gwenlake_hpc import load_state, save_state
 from gwenlake_hpc.stores.checkpoints import CheckpointStore
 from gwenlake_hpc.runtime.run import Run
-from gwenlake_hpc.base.signals import StopRequest
+from gwenlake_hpc.runtime.signals import StopRequest
 from gwenlake_hpc.stores.tracking import NullTracker
 
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from gwenlake_hpc.runtime.run import Run
-from gwenlake_hpc.base.signals import StopRequest
+from gwenlake_hpc.runtime.signals import StopRequest
 from gwenlake_hpc.stores.tracking import NullTracker, Tracker, default_uri
 
 logging.getLogger("gwenlake_hpc").setLevel(logging.WARNING)

@@ -16,7 +16,7 @@ from gwenlake_hpc.stores.checkpoints import MANIFEST, CheckpointFormatError, Che
 from gwenlake_hpc.stores.checkpoints import store as store_mod
 from gwenlake_hpc.stores.checkpoints.tensorfile import read_tensors, write_tensors
 from gwenlake_hpc.runtime.run import Run
-from gwenlake_hpc.base.signals import StopRequest
+from gwenlake_hpc.runtime.signals import StopRequest
 from gwenlake_hpc.stores.tracking import NullTracker
 
 

@@ -54,7 +54,8 @@ def test_workers_survive_the_group_signal_and_do_not_outlive_the_job(project, tm
 
 def test_children_started_while_shielded_survive_the_stop_signals():
     """The final commit's git processes: SLURM's SIGUSR2/SIGTERM to the whole step must not kill them."""
-    from gwenlake_hpc.base.signals import StopRequest, shield_children
+    from gwenlake_hpc.base.processes import shield_children
+    from gwenlake_hpc.runtime.signals import StopRequest
 
     stop = StopRequest()
     with stop:
@@ -77,7 +78,7 @@ def test_children_started_from_a_thread_while_shielded_survive_the_stop_signals(
     """The tracker starts its delivery process from a thread: the block applies to the calling thread's children."""
     import threading
 
-    from gwenlake_hpc.base.signals import shield_children
+    from gwenlake_hpc.base.processes import shield_children
 
     codes = []
 

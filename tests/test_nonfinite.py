@@ -13,7 +13,7 @@ from gwenlake_hpc.data import write_dataset
 from gwenlake_hpc.base.errors import NonFiniteError
 from gwenlake_hpc.job.finish import finite_json
 from gwenlake_hpc.runtime.run import Run
-from gwenlake_hpc.base.signals import StopRequest
+from gwenlake_hpc.runtime.signals import StopRequest
 from gwenlake_hpc.stores.tracking import NullTracker
 
 

@@ -10,7 +10,7 @@ import torch
 from gwenlake_hpc.data import Catalog
 from gwenlake_hpc.base.errors import ConfigError, GwenlakeError
 from gwenlake_hpc.runtime.run import Run, seed_everything
-from gwenlake_hpc.base.signals import StopRequest
+from gwenlake_hpc.runtime.signals import StopRequest
 
 
 class Recorder:
@@ -133,7 +133,7 @@ from pathlib import Path
 import gwenlake_hpc.job.execute, gwenlake_hpc.transforms
 from gwenlake_hpc.runtime.rng import seed_everything
 from gwenlake_hpc.runtime.run import Run
-from gwenlake_hpc.base.signals import StopRequest
+from gwenlake_hpc.runtime.signals import StopRequest
 from gwenlake_hpc.stores.tracking import NullTracker
 seed_everything(7)
 seed_everything(5)  # the job's second Run (a damaged checkpoint set aside): the later seed wins

@@ -30,7 +30,7 @@ from typing import Any, Callable
 from .api import DEFAULTS, Input, Model, Output, TrainFunction, split_train_kwargs
 from ..base.errors import TrainDefinitionError
 from .resources import parse_resources
-from ..base.signals import StopInterrupt
+from ..runtime.signals import StopInterrupt
 
 log = logging.getLogger("gwenlake_hpc.transforms")
 

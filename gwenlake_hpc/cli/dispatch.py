@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..base.errors import EXIT_USAGE, GwenlakeError
-from ..base.signals import ignore_from_now_on, install_early
+from ..runtime.signals import ignore_from_now_on, install_early
 
 log = logging.getLogger("gwenlake_hpc.cli")
 
@@ -194,7 +194,7 @@ def run_hydra(argv: Sequence[str]) -> int:
     import hydra
 
     from ..job.config import check_group_choices, conf_dir, register
-    from ..base.signals import process_stop, release_early
+    from ..runtime.signals import process_stop, release_early
 
     register()
     state = {"started": False, "code": 0}

@@ -30,7 +30,8 @@ from .finish import JobResult, Start, finish
 from ..base.fsutil import read_json, write_json_atomic
 from .plan import JobPlan, check_resume_point, finished_with, open_inputs, plan
 from .run_environment import check_same_image, container_start
-from ..base.signals import StopRequest, shield_children
+from ..base.processes import shield_children
+from ..runtime.signals import StopRequest
 from ..stores.tracking import NullTracker, Tracker, flatten, is_sqlite, state_dir_for, user_mlflow
 from ..stores.registry import complete_pending_registrations
 from ..stores.tracking.custom_metrics import configure as configure_statsd

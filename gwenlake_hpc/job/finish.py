@@ -24,7 +24,7 @@ from ..base.errors import EXIT_EVICTED, EXIT_FAILED, ConfigError
 from ..base.fsutil import write_json_atomic
 from .plan import JobPlan
 from ..stores.registry import after_commit, complete_pending_registrations, serving_info, warn_if_pending
-from ..base.signals import StopRequest
+from ..runtime.signals import StopRequest
 from ..stores.versioning import commit_model, find_run_version
 
 if TYPE_CHECKING:

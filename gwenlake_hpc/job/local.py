@@ -24,7 +24,7 @@ from ..base.errors import ConfigError
 from ..runtime.current import active
 from ..runtime.rng import seed_everything
 from ..runtime.run import Run
-from ..base.signals import StopRequest
+from ..runtime.signals import StopRequest
 from ..stores.tracking import user_mlflow
 from ..stores.tracking.tracker import NullTracker
 

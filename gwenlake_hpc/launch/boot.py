@@ -12,7 +12,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-from ..base.signals import ignore_from_now_on, install_early
+from ..runtime.signals import ignore_from_now_on, install_early
 
 
 def keep_our_handlers() -> None:

@@ -43,7 +43,7 @@ class SlurmEntry:
         self.cfg = dict(cfg)
 
     def __call__(self) -> dict[str, Any]:
-        from ..base.signals import StopRequest, process_stop
+        from ..runtime.signals import StopRequest, process_stop
 
         # Our handlers, never submitit's: SLURM may send the time-limit warning seconds after the start, and
         # submitit's own handler would end the job there ("timed-out too many times"). Started by

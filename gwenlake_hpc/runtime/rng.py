@@ -147,7 +147,7 @@ class ShieldedWorkerInit:
     def __call__(self, worker_id: int) -> None:
         import signal
 
-        from ..base.signals import STOP_SIGNALS
+        from .signals import STOP_SIGNALS
 
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)

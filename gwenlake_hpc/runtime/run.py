@@ -24,7 +24,7 @@ from .progress import Progress
 from .rng import rng_state, set_rng_state, shield_workers
 from .run_checkpoints import CheckpointWriter, RunCheckpoints  # noqa: F401 (CheckpointWriter re-exported)
 from .run_metrics import RunMetrics
-from ..base.signals import StopRequest
+from .signals import StopRequest
 
 log = logging.getLogger("gwenlake_hpc.run")
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ...base.signals import shield_children
+from ...base.processes import shield_children
 from .session import http_env
 from .state import sync_hint
 

@@ -24,7 +24,7 @@ import time
 from typing import IO, Callable, Mapping, TypeVar, Union
 
 from ...base.errors import GwenlakeError
-from ...base.signals import shield_children
+from ...base.processes import shield_children
 
 with shield_children():  # GitPython runs `git version` on import: SLURM's warning (SIGUSR2) must not kill it
     import git

@@ -218,24 +218,3 @@ def _describe(handler: object) -> str:
     mod = getattr(handler, "__module__", None) or "?"
     return f"{mod}.{getattr(handler, '__qualname__', type(handler).__name__)}"
 
-
-#: What SLURM sends to every process of a job step: preemption and scancel (SIGTERM), the time-limit warning
-#: (SIGUSR2). Not SIGINT: a Ctrl-C in a terminal must still interrupt a long git or git-lfs command at once.
-SLURM_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
-
-
-@contextlib.contextmanager
-def shield_children(signals: tuple[int, ...] = SLURM_SIGNALS) -> Iterator[None]:
-    """Block SLURM's stop signals in this thread while the block runs; processes it starts inherit them blocked.
-
-    SLURM sends the time-limit warning (SIGUSR2) and SIGTERM to every process of the job step. A ``git``
-    child of the final commit would die from them ("git write-tree failed (exit -12)") and fail a training
-    that had finished. A blocked signal stays pending in such a child, which ends normally; in this process
-    the handlers still record it (at the latest when the block ends), so nothing is lost. Works in any thread
-    (the mask is the calling thread's; Python runs the handlers in the main thread either way).
-    """
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(signals))
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
