@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from gwenlake_hpc import Output, load_state, save_state, train
 from gwenlake_hpc.data import Catalog
 from gwenlake_hpc.base.errors import ConfigError, GwenlakeError
 from gwenlake_hpc.runtime.run import Run, seed_everything
@@ -159,6 +160,54 @@ def test_a_one_step_run_loads_no_torch_and_seeds_it_when_imported_later(tmp_path
     assert out.returncode == 0 and out.stdout.strip() == "seeded", out.stdout + out.stderr[-2000:]
 
 
+PROBE_THEN_IMPORT = """
+import importlib.util, sys
+from gwenlake_hpc.runtime.rng import seed_everything
+seed_everything(5)
+assert importlib.util.find_spec("torch") is not None  # as transformers, accelerate, lightning do
+import torch
+drawn = torch.rand(3).tolist()
+torch.manual_seed(5)
+hooks = [type(f).__name__ for f in sys.meta_path if "Torch" in type(f).__name__]
+print("seeded" if drawn == torch.rand(3).tolist() else f"not seeded: {drawn}", hooks)
+"""
+
+IMPORTED_PAST_THE_HOOK = """
+import base64, importlib.abc, importlib.machinery, sys
+from gwenlake_hpc.runtime.rng import rng_state, seed_everything
+
+class Bypass(importlib.abc.MetaPathFinder):  # a third-party import hook ahead of gwenlake's
+    def find_spec(self, name, path=None, target=None):
+        return importlib.machinery.PathFinder.find_spec(name, path, target) if name == "torch" else None
+
+seed_everything(5)
+sys.meta_path.insert(0, Bypass())
+import torch
+read = rng_state()["torch"]  # the Run's first read of the RNG gives torch its pending seed
+torch.manual_seed(5)
+first = "seeded" if read == base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode() else "not seeded"
+seed_everything(9)  # a later seed (a second Run in this process) still reaches torch
+drawn = torch.rand(3).tolist()
+torch.manual_seed(9)
+hooks = [type(f).__name__ for f in sys.meta_path if "Torch" in type(f).__name__]
+print(first, "seeded" if drawn == torch.rand(3).tolist() else "not seeded", hooks)
+"""
+
+
+@pytest.mark.parametrize("script,want", [(PROBE_THEN_IMPORT, "seeded []"),
+                                         (IMPORTED_PAST_THE_HOOK, "seeded seeded []")])
+def test_torch_gets_the_seed_after_a_find_spec_probe_or_an_import_past_the_hook(tmp_path, script, want):
+    """``importlib.util.find_spec("torch")`` before ``import torch`` must not lose the deferred seed; a torch
+    imported by a hook that bypasses gwenlake's is seeded when the Run first reads the RNG; either way the
+    hook is gone once torch is seeded."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0 and out.stdout.strip() == want, out.stdout + out.stderr[-2000:]
+
+
 def test_epochs_length_and_errors(tmp_path):
     run = make_run(tmp_path, steps=None, epochs=3)
     assert [s for s, _ in run.steps([1, 2, 3, 4])][-1] == 12
@@ -279,6 +328,61 @@ def test_a_distributed_sampler_gets_each_epoch_also_on_a_resume(tmp_path, where)
     run_once(tmp_path / "b", stop_at=7)  # checkpoint at step 5: the resume lands in epoch 1, batch 1
     run2, second = run_once(tmp_path / "b")
     assert run2.start_step == 5 and second == want[5:]
+
+
+class _NoisyRows(torch.utils.data.Dataset):
+    """Row i is ``[i/24] * 3`` plus fresh torch noise at each read: drawn from a worker's RNG in a worker, from
+    the training's own stream without workers."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return torch.full((3,), i / 24) + torch.randn(3), i
+
+
+@train(output=Output("t.noisy"), epochs=3, eval_every=4)
+def _fit_noisy(output, run, config):
+    """A model with dropout over a DataLoader of noisy rows; returns each step's rows, inputs and loss, and
+    the final weights."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if run.resumed:
+        load_state(run.resume_path / "state.safetensors", model=model, optimizer=opt)
+    loader = torch.utils.data.DataLoader(_NoisyRows(), batch_size=4, shuffle=config["shuffle"],
+                                         num_workers=config["workers"])
+    seen = []
+    for step, (x, rows) in run.steps(loader):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        seen.append((step, rows.tolist(), x.tolist(), loss.item()))
+        if run.at_eval:
+            with run.checkpoint(keep=1) as ck:
+                save_state(ck.path("state.safetensors"), model=model, optimizer=opt)
+        if step == config["stop_at"]:
+            break
+    return seen, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("workers,shuffle", [(0, False), (0, True), (2, False), (2, True)])
+def test_a_dataloader_run_stopped_twice_ends_bit_identical(tmp_path, workers, shuffle):
+    """Creating a DataLoader's iterator draws from the global torch RNG (its workers' base seed; with
+    shuffle=True its sampler's seed too): a resume that lands mid-epoch must redo that draw from the state
+    the epoch began with, then continue the training's own stream (dropout, noise read without workers)
+    from the checkpoint's state. 6 batches an epoch, checkpoints every 4 steps: the first resume lands at
+    batch 2 of epoch 1, the second at the start of epoch 2."""
+    params = {"workers": workers, "shuffle": shuffle}
+    full, weights = _fit_noisy.local({**params, "stop_at": 0}, seed=3)
+    parts = [_fit_noisy.local({**params, "stop_at": stop}, seed=3, run_dir=tmp_path / "r")
+             for stop in (9, 13, 0)]
+    assert [s for s, *_ in full] == list(range(1, 19))
+    assert sorted(r for _, rows, _, _ in full[:6] for r in rows) == list(range(24))
+    resumed = parts[0][0][:8] + parts[1][0][:4] + parts[2][0]  # steps 1-8, 9-12 (the checkpoints), 13-18
+    assert [s for s, *_ in parts[1][0]] == list(range(9, 14)) and parts[2][0][0][0] == 13
+    assert resumed == full  # same rows, same noise, same losses, bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(parts[2][1], weights))
 
 
 def test_persistent_workers_keep_their_first_epoch_and_the_run_warns(tmp_path, caplog):

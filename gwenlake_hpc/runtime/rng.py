@@ -24,30 +24,40 @@ log = logging.getLogger("gwenlake_hpc.run")
 
 # --- RNG state ------------------------------------------------------------------------------------------------
 
-def rng_state() -> dict[str, Any]:
-    """Python, numpy (global), torch CPU and (if initialised) CUDA RNG states, as JSON-able values."""
-    import torch
+def rng_state(torch_if_imported: bool = False) -> dict[str, Any]:
+    """Python, numpy (global), torch CPU and (if initialised) CUDA RNG states, as JSON-able values.
 
+    With ``torch_if_imported`` a process that has not imported torch gets no ``torch`` entry (nothing there
+    can have drawn from it) instead of paying its import.
+    """
     py = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     state: dict[str, Any] = {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_kind, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
-        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
     }
+    if torch_if_imported and "torch" not in sys.modules:
+        return state
+    import torch
+
+    _settle_torch_seed()
+    state["torch"] = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned."""
-    import torch
-
+    """Restore what :func:`rng_state` returned (torch's only if the state has a ``torch`` entry)."""
     v, internal, gauss = state["python"]
     random.setstate((v, tuple(internal), gauss))
     kind, keys, pos, has_gauss, gauss_np = state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss_np))
+    if "torch" not in state:
+        return
+    import torch
+
+    _settle_torch_seed(restoring=True)  # else the next rng_state() would seed over the restored state
     raw = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
     torch.set_rng_state(torch.from_numpy(raw))
     if "cuda" in state and torch.cuda.is_available():
@@ -63,25 +73,48 @@ def seed_everything(seed: int) -> None:
     """Seed Python's, numpy's global and torch's (all devices) RNGs.
 
     torch is seeded now when it is imported already, else right after its import, whenever that happens in
-    this process: nothing can draw from its RNG before, so the state is the same either way.
+    this process: nothing can draw from its RNG before, so the state is the same either way. A torch imported
+    by another import hook ahead of gwenlake's (which then never sees it) is seeded at the next
+    :func:`rng_state` or :func:`set_rng_state`, or by the next call of this function.
     """
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "manual_seed"):
         _SeedTorchOnImport.pending = None
+        _SeedTorchOnImport.uninstall()
         torch.manual_seed(seed)
     else:
         _SeedTorchOnImport.defer(seed)
 
 
+def _settle_torch_seed(restoring: bool = False) -> None:
+    """Give an imported torch the seed still pending (its import went past :class:`_SeedTorchOnImport`), or
+    drop that seed when a state is about to be restored over it."""
+    torch = sys.modules.get("torch")
+    if _SeedTorchOnImport.pending is None or torch is None or not hasattr(torch, "manual_seed"):
+        return
+    with _SeedTorchOnImport._lock:
+        seed, _SeedTorchOnImport.pending = _SeedTorchOnImport.pending, None
+    _SeedTorchOnImport.uninstall()
+    if seed is not None and not restoring:
+        log.warning("torch was imported past gwenlake's import hook (another hook ahead of it in sys.meta_path): "
+                    "it is seeded now, draws made from it before are not reproducible")
+        torch.manual_seed(seed)
+
+
 class _SeedTorchOnImport(importlib.abc.MetaPathFinder):
     """A finder that only wraps torch's loader, so that ``torch.manual_seed(pending)`` runs once its import
-    completes (Python has no post-import hook); it removes itself then."""
+    completes (Python has no post-import hook); it removes itself then.
+
+    It stays in ``sys.meta_path`` until torch's module has run: a mere ``importlib.util.find_spec("torch")``
+    (transformers, accelerate and lightning probe so) is answered with the wrapped loader and changes nothing.
+    """
 
     pending: int | None = None
     _lock = threading.Lock()
     _installed: "_SeedTorchOnImport | None" = None
+    _searching = threading.local()  # set while this thread asks the other finders (find_spec re-enters us)
 
     @classmethod
     def defer(cls, seed: int) -> None:
@@ -92,7 +125,7 @@ class _SeedTorchOnImport(importlib.abc.MetaPathFinder):
                 sys.meta_path.insert(0, cls._installed)
 
     @classmethod
-    def _uninstall(cls) -> None:
+    def uninstall(cls) -> None:
         with cls._lock:
             if cls._installed is not None:
                 if cls._installed in sys.meta_path:
@@ -100,15 +133,19 @@ class _SeedTorchOnImport(importlib.abc.MetaPathFinder):
                 cls._installed = None
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != "torch":
+        if fullname != "torch" or getattr(self._searching, "active", False):
             return None
-        self._uninstall()
         import importlib.util
 
-        spec = importlib.util.find_spec("torch")
+        self._searching.active = True
+        try:
+            spec = importlib.util.find_spec("torch")  # the finders after this one (it answers None meanwhile)
+        finally:
+            self._searching.active = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = _SeedingLoader(spec.loader)
+        if not isinstance(spec.loader, _SeedingLoader):
+            spec.loader = _SeedingLoader(spec.loader)
         return spec
 
 
@@ -120,8 +157,10 @@ class _SeedingLoader(importlib.abc.Loader):
         return self._inner.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
-        self._inner.exec_module(module)
-        seed, _SeedTorchOnImport.pending = _SeedTorchOnImport.pending, None
+        self._inner.exec_module(module)  # raises: the hook stays for the next attempt
+        with _SeedTorchOnImport._lock:
+            seed, _SeedTorchOnImport.pending = _SeedTorchOnImport.pending, None
+        _SeedTorchOnImport.uninstall()
         if seed is not None:
             module.manual_seed(seed)
 

@@ -158,6 +158,8 @@ class Run(RunMetrics, RunCheckpoints):
         self.evicted = False
         self.latest_checkpoint: Checkpoint | None = latest
         self._checkpoint_step: int | None = None
+        # RNG states when the current pass over a plain iterable began (saved in checkpoints, see _batch_stream).
+        self._epoch_rng: dict[str, Any] | None = None
         self._iterated = False
         self._summary: dict[str, float] = {}
         self._tagged_series: dict[str, dict[str, str]] = {}  # series -> its tags (recorded on the run already)
@@ -196,7 +198,9 @@ class Run(RunMetrics, RunCheckpoints):
                         "and the data shards differ, so the resumed run is not identical to an uninterrupted one",
                         ck.path.name, state.get("world_size", 1), self.world_size, self.rank)
             seed_everything(self.seed + self.rank)
-            return {**state, "rng": rng_state()}
+            return {**{k: v for k, v in state.items() if k != "rng_epoch_start"}, "rng": rng_state()}
+        if mine is not state and "rng_epoch_start" not in mine:
+            state = {k: v for k, v in state.items() if k != "rng_epoch_start"}  # rank 0's, not this rank's
         return {**state, **mine}
 
     # -- resume facts ------------------------------------------------------------------------------------------
@@ -258,8 +262,13 @@ class Run(RunMetrics, RunCheckpoints):
             raise ConfigError("the training length is unknown: set job.steps or job.epochs")
         return total, per_epoch
 
-    def _batch_stream(self, batches: Any, per_epoch: int | None, start: int) -> Iterator[tuple[int, Any]]:
-        """Yield ``(epoch, batch)`` from global batch index ``start`` on, forever."""
+    def _batch_stream(self, batches: Any, per_epoch: int | None, start: int,
+                      resume: dict[str, Any] | None = None) -> Iterator[tuple[int, Any]]:
+        """Yield ``(epoch, batch)`` from global batch index ``start`` on, forever.
+
+        ``resume``: the checkpoint's Run state whose RNG states a plain iterable's stream restores itself
+        (see below); None when :meth:`steps` restored them already.
+        """
         if batches is None:
             while True:
                 yield 0, None
@@ -277,15 +286,33 @@ class Run(RunMetrics, RunCheckpoints):
         if start:
             log.warning("resuming at batch %d of a plain iterable: the skipped batches are read and dropped; "
                         "use Input(...).batches() to resume without reading them", start)
+        # Beginning a pass may draw from the global RNGs (a DataLoader's iterator draws its workers' base seed,
+        # a RandomSampler its order's seed), and without workers reading a batch may too. So a resume that lands
+        # mid-pass begins it from the RNG states the pass began with (saved in the checkpoint), reads the
+        # skipped batches, then restores the checkpoint's states: the batches, the workers' seeds and the
+        # training's own stream are those of an uninterrupted run.
         epoch, pos = (divmod(start, per_epoch) if per_epoch else (0, start))
         while True:
+            if resume is not None and pos == 0:  # the pass begins right after the checkpoint's step
+                set_rng_state(resume["rng"])
+                resume = None
+            elif resume is not None and resume.get("rng_epoch_start"):
+                set_rng_state(resume["rng_epoch_start"])
+            self._epoch_rng = rng_state(torch_if_imported=True)
             set_epoch(batches, epoch)  # before iter(): a DataLoader hands its workers the dataset then
+            it = iter(batches)
             produced = 0
-            for i, b in enumerate(batches):
+            while True:
+                if resume is not None and produced == pos:
+                    set_rng_state(resume["rng"])
+                    resume = None
+                try:
+                    b = next(it)
+                except StopIteration:
+                    break
                 produced += 1
-                if i < pos:
-                    continue
-                yield epoch, b
+                if produced > pos:
+                    yield epoch, b
             if produced == 0:
                 raise ConfigError("run.steps(): the batches yielded nothing")
             if per_epoch is None and pos >= produced:
@@ -326,8 +353,11 @@ class Run(RunMetrics, RunCheckpoints):
             raise ConfigError(f"this run's checkpoints were written by {was} rank(s) and this job has "
                               f"{self.world_size}: with job.epochs the number of steps depends on it; run it with "
                               f"{was} task(s), or set job.steps, or start a new run (job.model=...)")
-        if self._run_state is not None:
-            set_rng_state(self._run_state["rng"])
+        resume = self._run_state
+        if resume is not None and (batches is None or self.start_step >= total
+                                   or (_is_plan(batches) and per_epoch)):
+            set_rng_state(resume["rng"])  # else the stream restores it, see _batch_stream
+            resume = None
         if self.resumed:
             log.info("resuming from step %d (%s)", self.start_step, self.resume_path)
         elif self.is_main:  # say where it looked: a mistyped paths.runs_root would otherwise start over silently
@@ -338,7 +368,7 @@ class Run(RunMetrics, RunCheckpoints):
                             self.start_step, total)
             return
         self._progress = Progress(total, self.start_step, self._progress_mode, self._progress_every_s)
-        stream = self._batch_stream(batches, per_epoch, self.start_step)
+        stream = self._batch_stream(batches, per_epoch, self.start_step, resume)
         step = self.start_step
         try:
             while step < total:
@@ -386,7 +416,7 @@ class Run(RunMetrics, RunCheckpoints):
                 log.warning("stop requested (%s): loop ended after step %d", self._stop.reason, self.step)
 
     def interruptible(self) -> Any:
-        """A block in which a stop signal raises :class:`gwenlake_hpc.base.signals.StopInterrupt` at once (see
+        """A block in which a stop signal raises :class:`gwenlake_hpc.runtime.signals.StopInterrupt` at once (see
         :meth:`StopRequest.interrupting`); used by short fits, which have nothing to save half-way."""
         return self._stop.interrupting()
 

@@ -61,10 +61,11 @@ class RunCheckpoints:
     _times: dict[str, float]
     _window_start: float
     _t_block: float
+    _epoch_rng: dict[str, Any] | None
 
     def state_dict(self) -> dict[str, Any]:
-        """The Run's own state saved in every checkpoint."""
-        return {
+        """The Run's own state saved in every checkpoint (``rng_epoch_start`` only over a plain iterable)."""
+        state = {
             "run_key": self.run_key,
             "step": self.step,
             "epoch": self.epoch,
@@ -77,6 +78,9 @@ class RunCheckpoints:
             "tracking_run_id": getattr(self.tracker, "run_id", None),
             "time": time.time(),
         }
+        if self._epoch_rng is not None:  # the RNG states the current pass began with: see Run._batch_stream
+            state["rng_epoch_start"] = self._epoch_rng
+        return state
 
     def wait_for_checkpoint(self, raise_error: bool = True) -> Checkpoint | None:
         """Block until the checkpoint being written in the background (if any) is sealed.
@@ -235,7 +239,8 @@ class RunCheckpoints:
             yield writer
             if self.rank:
                 state = self.state_dict()
-                mine = {k: state[k] for k in ("rng", "data_position", "step", "epoch")}
+                mine = {k: state[k] for k in ("rng", "rng_epoch_start", "data_position", "step", "epoch")
+                        if k in state}
                 target = partial / rank_state_name(self.rank)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 with open(target, "w") as fh:
