@@ -36,6 +36,17 @@ CLUSTER_FILES = {
     "scalarcontainer": _USER + "launcher:\n  container: train.sif\n",
     "alist": "- host: login.example.org\n",
     "schemabadport": "defaults:\n  - cluster_schema\n  - _self_\n" + _USER.replace("port: 22", "port: 0x"),
+    "badyaml": _USER + "setup: [unclosed\n",
+}
+#: Launcher and job files (conf/GROUP/NAME.yaml) a user may get wrong.
+GROUP_FILES = {
+    "launcher/badyaml": "defaults:\n  - slurm_schema\n  - _self_\npartition: [unclosed\n",
+    "launcher/noname": "partition: high\n",  # neither name: slurm nor the schema: was "not in 'LauncherConfig'"
+    "launcher/empty": "",  # ran locally without a word
+    "job/badyaml": "target: trainer.py:fit\nparams: {lr: 0.1\n",
+    "job/dupkey": "target: trainer.py:fit\ntarget: trainer.py:fit\n",
+    "job/defaults5": "defaults: 5\ntarget: trainer.py:fit\n",
+    "job/defaultsmap": "defaults: {a: 1}\ntarget: trainer.py:fit\n",
 }
 
 
@@ -56,6 +67,8 @@ def trained(tmp_path_factory):
         (project.root / "loop2").symlink_to("loop1")
         for name, text in CLUSTER_FILES.items():
             (project.root / "conf" / "cluster" / f"{name}.yaml").write_text(text)
+        for name, text in GROUP_FILES.items():
+            (project.root / "conf" / f"{name}.yaml").write_text(text)
         yield project
     finally:
         mp.undo()
@@ -144,6 +157,32 @@ def trained(tmp_path_factory):
     (["+job=t", "cluster=schemabadport"], "cluster.port"),
     (["+job=t", "cluster=null"], "cluster=null: cluster takes the name of a file"),  # Hydra: a traceback
     (["+job=null"], "+job=null: job takes the name of a file"),
+    # Unknown keys added with + under a typed node: refused, not silently ignored (job.params, launcher.env,
+    # launcher.additional_parameters and launcher.container.env are free-form on purpose).
+    (["+job=t", "launcher=slurm", "launcher.dry_run=true", "+launcher.partiton=high"],
+     "launcher.partiton: no such setting (did you mean launcher.partition?)"),
+    (["+job=t", "+paths.foo=1", "launcher=slurm", "launcher.dry_run=true"], "paths.foo: no such setting"),
+    (["+job=t", "+job.foo=1"], "job.foo: no such setting"),
+    (["+job=t", "+tracking.foo=1"], "tracking.foo: no such setting"),
+    (["+job=t", "+statsd.hots=x"], "statsd.hots: no such setting (did you mean statsd.host?)"),
+    (["+job=t", "+foo=1"], "foo: no such setting at the top level"),
+    (["+job=t", "launcher=slurm", "+launcher.container.imag=x.sif"], "launcher.container.imag: no such setting"),
+    (["+job=t", "+launcher.partition=high"], "launcher.partition is a setting of launcher=slurm"),
+    (["+job=t", "cluster=user", "+cluster.foo=1"], "cluster.foo: no such setting"),
+    (["+job=t", "cluster=user", "+cluster.launcher.partiton=x"], "cluster.launcher.partiton: no such setting"),
+    (["+job=t", "cluster=user", "+cluster.launcher.container.foo=x"], "cluster.launcher.container.foo: no such"),
+    (["+job=t", "cluster=user", "+job.foo=1"], "job.foo: no such setting"),  # refused here, not on the cluster
+    # Group files: a YAML error names the file and line, a misshapen defaults list the file; no traceback.
+    (["+job=t", "cluster=badyaml"], "cluster/badyaml.yaml, line 9: not valid YAML"),
+    (["+job=t", "launcher=badyaml"], "launcher/badyaml.yaml, line 5: not valid YAML"),
+    (["+job=badyaml"], "job/badyaml.yaml, line 3: not valid YAML"),
+    (["+job=dupkey"], "job/dupkey.yaml, line 2: not valid YAML: found duplicate key target"),
+    (["+job=defaults5"], "job/defaults5.yaml): defaults: 5 is not a list"),
+    (["+job=defaultsmap"], "job/defaultsmap.yaml): defaults: {'a': 1} is not a list"),
+    (["+job=t", "launcher=noname"], "launcher.partition is a setting of launcher=slurm: add `name: slurm`"),
+    (["+job=t", "launcher=empty"], "launcher/empty.yaml) is empty"),
+    (["+job=t", "cluster=user", "cluster.connect_timeout_s=-5"], "cluster.connect_timeout_s=-5.0: must be"),
+    (["+job=t", "cluster=user", "cluster.connect_timeout_s=nan"], "cluster.connect_timeout_s=nan: must be"),
 ])
 def test_a_bad_setting_exits_2_names_the_key_and_changes_nothing(trained, args, needle, monkeypatch, capfd,
                                                                  caplog):
@@ -159,6 +198,23 @@ def test_a_bad_setting_exits_2_names_the_key_and_changes_nothing(trained, args, 
     assert needle in said, said
     assert "Traceback" not in said, said
     assert snapshot(trained.root) == before
+
+
+def test_the_config_files_hydra_reads_are_checked_first_defaults_included(tmp_path):
+    from gwenlake_hpc.job.config import check_group_choices
+
+    conf = tmp_path / "conf"
+    (conf / "launcher").mkdir(parents=True)
+    (conf / "config.yaml").write_text("defaults:\n  - launcher: mine\n  - _self_\n")
+    (conf / "launcher" / "mine.yaml").write_text("defaults:\n  - base\n  - _self_\nname: slurm\n")
+    (conf / "launcher" / "base.yaml").write_text("name: slurm\npartition: [a\n")
+    (conf / "launcher" / "ok.yaml").write_text("name: slurm\n")
+    with pytest.raises(ConfigError, match=r"launcher/base\.yaml, line 3: not valid YAML: .*flow sequence at line 2"):
+        check_group_choices([], conf)  # config.yaml's default launcher, and the file its defaults name
+    assert check_group_choices(["launcher=ok"], conf) is None  # another one chosen: the broken file is not read
+    (conf / "config.yaml").write_text("defaults: [launcher: mine\n")
+    with pytest.raises(ConfigError, match=r"config\.yaml, line 2: not valid YAML"):
+        check_group_choices(["launcher=ok"], conf)
 
 
 # --- the rules, on the typed configs ----------------------------------------------------------------------------

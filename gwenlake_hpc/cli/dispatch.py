@@ -123,7 +123,7 @@ def run_subcommand(argv: Sequence[str]) -> int:
             from .report import report
 
             out, marks = report(args.run_dir, args.out, args.uri, smoothing=args.smoothing)
-            print(f"wrote {out} ({len(marks)} restart(s) marked at steps {marks}; smoothing {args.smoothing:g})")
+            print(f"wrote {out} ({len(marks)} restart(s) marked at steps {marks}; smoothing {args.smoothing + 0.0:g})")
             return 0
         if args.command in ("status", "cancel", "logs"):
             from ..launch import commands
@@ -193,7 +193,7 @@ def run_hydra(argv: Sequence[str]) -> int:
     """
     import hydra
 
-    from ..job.config import check_group_choices, conf_dir, register
+    from ..job.config import check_group_choices, check_keys, conf_dir, register
     from ..runtime.signals import process_stop, release_early
 
     register()
@@ -205,6 +205,12 @@ def run_hydra(argv: Sequence[str]) -> int:
 
         state["started"] = True
         _setup_logging()
+        try:  # here, not at planning: a cluster= job is planned on the cluster, after the transfer
+            check_keys(cfg)
+        except GwenlakeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            state["code"] = exc.exit_code
+            return
         submits = cfg.get("cluster") is not None or cfg.launcher.get("name") == "slurm"
         if submits:  # Ctrl-C must interrupt a submission or its wait at once
             early = release_early()

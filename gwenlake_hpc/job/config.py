@@ -6,10 +6,12 @@ files fill the ``job`` node (``+job=churn``).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -326,6 +328,10 @@ class ClusterConfig:
     allow_dirty: bool = False
     connect_timeout_s: float = 20.0
 
+    def __post_init__(self) -> None:
+        # nan or a negative value would reach paramiko as a socket timeout (a traceback, or no timeout at all)
+        rules.positive_seconds("cluster.connect_timeout_s", self.connect_timeout_s)
+
 
 @dataclass
 class GwenlakeConfig:
@@ -354,12 +360,14 @@ def typed(cfg: Any) -> GwenlakeConfig:
     it is (about 1 ms for a whole config; a sweep plans hundreds), a plain one is merged onto its schema first.
 
     Raises:
-        ConfigError: a missing mandatory value, a wrong type, an unknown key or a value a rule refuses; the
-            message names the key.
+        ConfigError: a missing mandatory value, a wrong type, an unknown key (also one Hydra let in with
+            ``+KEY=``, at the top level or under a typed node) or a value a rule refuses; the message names the
+            key.
     """
     from omegaconf import DictConfig, OmegaConf
 
     node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
+    _refuse_unknown_top_keys(node)  # each node's own keys are checked as it is converted
     parts: dict[str, Any] = {}
     with _as_config_error():
         for key, schema in (("job", JobConfig), ("paths", PathsConfig), ("tracking", TrackingConfig),
@@ -383,7 +391,103 @@ def _node_object(sub: Any, schema: type, key: str) -> Any:
     from omegaconf import OmegaConf
 
     with _as_config_error(f"{key}."):
+        _refuse_unknown_keys(sub, schema, key)
         return OmegaConf.to_object(_schema_node(sub, schema))
+
+
+#: The top-level keys of a composed config: the schema's, and Hydra's own node (a sweep's task configs hold it).
+_TOP_KEYS = (*(f.name for f in fields(GwenlakeConfig)), "hydra")
+
+
+def check_keys(cfg: Any) -> None:
+    """Refuse a key of the composed config ``cfg`` (a DictConfig) that no schema has, at the top level or under
+    a typed node (``job``, ``paths``, ``tracking``, ``statsd``, ``launcher`` by its ``name``, ``cluster`` and
+    their sections), before any work: Hydra lets ``+job.foo=1`` in and OmegaConf would drop it without a word.
+    Only keys are checked; values are :func:`typed`'s (a ``cluster=`` job is planned on the cluster).
+
+    Raises:
+        ConfigError: ``KEY: no such setting``, naming the closest setting.
+    """
+    from omegaconf import OmegaConf
+
+    _refuse_unknown_top_keys(cfg)
+    for key, schema in (("job", JobConfig), ("paths", PathsConfig), ("tracking", TrackingConfig),
+                        ("statsd", StatsdConfig), ("launcher", None), ("cluster", ClusterConfig)):
+        if key not in cfg or OmegaConf.is_missing(cfg, key):
+            continue
+        data = cfg[key]
+        if key == "launcher" and OmegaConf.is_dict(data):
+            name = data.get("name", "local")
+            schema = SlurmLauncherConfig if name == "slurm" else LauncherConfig if name == "local" else None
+        if schema is not None:  # an unknown launcher.name: typed() names it
+            _refuse_unknown_keys(data, schema, key)
+
+
+def _refuse_unknown_top_keys(cfg: Any) -> None:
+    for key in cfg.keys():
+        if key not in _TOP_KEYS:
+            raise ConfigError(f"{key}: no such setting at the top level{_did_you_mean(str(key), _TOP_KEYS, '')} "
+                              f"(it takes {', '.join(_TOP_KEYS[:-1])}): remove it or correct its name")
+
+
+def _did_you_mean(key: str, names: Any, prefix: str) -> str:
+    """`` (did you mean PREFIX.NAME?)`` for the name of ``names`` closest to a mistyped ``key``, or ''."""
+    import difflib
+
+    close = difflib.get_close_matches(key, [n for n in names if n != "hydra"], n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(schema: type) -> tuple[dict[str, Any], dict[str, type]]:
+    """The fields of ``schema`` with their types, and those that are sections (dataclasses, ``Optional`` or not);
+    cached: a sweep checks hundreds of task configs."""
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    sections = {}
+    for name, kind in hints.items():
+        kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)  # Optional[X] -> X
+        if dataclasses.is_dataclass(kind):
+            sections[name] = kind
+    return hints, sections
+
+
+def _refuse_unknown_keys(data: Any, schema: type, prefix: str) -> None:
+    """Refuse a key of ``data`` (a mapping or a DictConfig) that ``schema`` has no field for, and so on in its
+    sections.
+
+    Hydra lets ``+job.foo=1`` into a node it typed, and OmegaConf then drops the key without a word; mappings
+    the schema types as dicts (``job.params``, ``launcher.env``, ``launcher.additional_parameters``) are free-form.
+
+    Raises:
+        ConfigError: ``PREFIX.KEY: no such setting`` with the closest setting's name, or, for a SLURM setting
+            under the local launcher, the ``name: slurm`` it lacks.
+    """
+    from omegaconf import DictConfig
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(data, (dict, DictConfig)):
+        return  # a value of the wrong shape: the schema's own type error names it
+    hints, sections = _hints(schema)
+    for key in data.keys():
+        if key in hints:
+            continue
+        full = f"{prefix}.{key}"
+        if schema is LauncherConfig and key in _hints(SlurmLauncherConfig)[0]:
+            raise ConfigError(f"{full} is a setting of launcher=slurm: add `name: slurm` to this launcher's file "
+                              "conf/launcher/NAME.yaml (without it the job runs here, locally), or give "
+                              "launcher=slurm")
+        listed = f"; {prefix} takes {', '.join(hints)}" if len(hints) <= 12 else \
+            f"; {prefix} takes the keys of {schema.__name__} (gwenlake_hpc/config.py)"
+        raise ConfigError(f"{full}: no such setting{_did_you_mean(str(key), hints, prefix + '.')}: remove it or "
+                          f"correct its name{listed}")
+    for key, kind in sections.items():
+        try:
+            value = data.get(key)
+        except OmegaConfBaseException:  # a missing or broken value: the schema's conversion names it
+            continue
+        _refuse_unknown_keys(value, kind, f"{prefix}.{key}")
 
 
 def _schema_node(sub: Any, schema: type) -> Any:
@@ -448,7 +552,9 @@ def launcher_node(lc: Any) -> Any:
     if isinstance(lc, SlurmLauncherConfig):
         return OmegaConf.structured(lc)
     with _as_config_error("launcher."):
-        node = _schema_node(lc if isinstance(lc, DictConfig) else OmegaConf.create(dict(lc)), SlurmLauncherConfig)
+        lc = lc if isinstance(lc, DictConfig) else OmegaConf.create(dict(lc))
+        _refuse_unknown_keys(lc, SlurmLauncherConfig, "launcher")
+        node = _schema_node(lc, SlurmLauncherConfig)
     return copy.deepcopy(node) if node is lc else node
 
 
@@ -458,16 +564,18 @@ GROUP_SCHEMAS = {"job": JobConfig, "launcher": SlurmLauncherConfig, "cluster": C
 
 
 def check_group_choices(overrides: Any, root: Path) -> None:
-    """Refuse a ``GROUP=null`` override and a group file (``conf/GROUP/NAME.yaml`` under ``root``) of the wrong
-    shape, where Hydra's own error would be a traceback or name no key: a file that is not a mapping of keys, a
-    value that is not a mapping where the schema has a section (``cluster.launcher``, ``launcher.container``).
-    Missing or unreadable files, and every other mistake, are left to Hydra and the schemas.
+    """Refuse a ``GROUP=null`` override and a config file under ``root`` (``config.yaml``, the ``conf/GROUP/NAME.yaml``
+    files the command line or config.yaml's defaults choose, and the files of their group their own defaults
+    name) where Hydra's own error would be a traceback or name no key: a file that is not valid YAML (or repeats a
+    key), a ``defaults`` that is not a list of names or ``GROUP: NAME`` pairs, a file that is not a mapping of
+    keys, a value that is not a mapping where the schema has a section (``cluster.launcher``,
+    ``launcher.container``), an empty launcher file (it would run the job locally without a word). Missing or
+    unreadable files, and every other mistake, are left to Hydra and the schemas.
 
     Raises:
-        ConfigError: naming the override or the key, and the fix.
+        ConfigError: naming the override, or the file (and line) and the key, and the fix.
     """
-    import yaml
-
+    chosen: dict[str, str] = {}
     for ov in overrides:
         key, eq, name = str(ov).lstrip("+").partition("=")
         if not eq or key not in GROUP_SCHEMAS:
@@ -475,15 +583,96 @@ def check_group_choices(overrides: Any, root: Path) -> None:
         if name.strip() in ("null", ""):
             raise ConfigError(f"{ov}: {key} takes the name of a file conf/{key}/NAME.yaml"
                               + ("; leave cluster= out to run without a cluster" if key == "cluster" else ""))
-        path = root / key / f"{name}.yaml"
-        try:
-            data = yaml.safe_load(path.read_text())
-        except (OSError, ValueError, yaml.YAMLError):
-            continue
-        if data is not None and not isinstance(data, dict):
-            raise ConfigError(f"{key} ({path}): the file holds a {type(data).__name__}, not a mapping: write one "
-                              f"KEY: VALUE line per setting")
-        _check_sections(data or {}, GROUP_SCHEMAS[key], key)
+        chosen[key] = name
+    primary = _read_config_file(root / "config.yaml", "config")
+    for entry in (primary.get("defaults") or []) if isinstance(primary, dict) else []:
+        if isinstance(entry, dict) and len(entry) == 1:  # `- launcher: local`: the choice when none is given
+            (group, name), = entry.items()
+            if group in GROUP_SCHEMAS and isinstance(name, str):
+                chosen.setdefault(group, name)
+    seen: set[Path] = set()
+    for key, names in chosen.items():
+        for name in names.split(","):  # a sweep over files: launcher=a,b
+            _check_group_file(root, key, name.strip(), seen)
+
+
+def _check_group_file(root: Path, key: str, name: str, seen: set) -> None:
+    """Check ``root/key/name.yaml`` (see :func:`check_group_choices`) and the files of its group it names."""
+    path = root / key / f"{name}.yaml"
+    if path in seen or not path.is_file():
+        return
+    seen.add(path)
+    data = _read_config_file(path, key)
+    if data is None and key == "launcher":
+        raise ConfigError(f"launcher ({path}) is empty: write `name: slurm` and the sbatch settings in it to submit "
+                          "to SLURM (see conf/launcher/slurm.yaml), or choose launcher=local to run here")
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{key} ({path}): the file holds a {type(data).__name__}, not a mapping: write one "
+                          f"KEY: VALUE line per setting")
+    for entry in (data or {}).get("defaults") or []:
+        if isinstance(entry, str) and entry != "_self_":  # another file of the group, e.g. a shared base
+            _check_group_file(root, key, entry, seen)
+    _check_sections(data or {}, GROUP_SCHEMAS[key], key)
+
+
+@functools.lru_cache(maxsize=None)
+def _strict_loader() -> type:
+    """A safe YAML loader (libyaml's when installed: a few times faster) that, as OmegaConf's, which Hydra reads
+    config files with, refuses a key given twice in one mapping."""
+    import yaml
+
+    class StrictLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            keys = set()
+            for key_node, _ in node.value:
+                if key_node.tag == yaml.resolver.BaseResolver.DEFAULT_SCALAR_TAG:
+                    if key_node.value in keys:
+                        raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                                f"found duplicate key {key_node.value}",
+                                                                key_node.start_mark)
+                    keys.add(key_node.value)
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
+
+
+def _read_config_file(path: Path, key: str) -> Any:
+    """The data of the config file ``path`` (None when empty, missing or unreadable: Hydra's to report), its
+    ``defaults`` list checked.
+
+    Raises:
+        ConfigError: not valid YAML (file, line, the parser's words), a key given twice, a misshapen ``defaults``.
+    """
+    import yaml
+
+    try:
+        text = path.read_text()
+    except (OSError, ValueError):
+        return None
+    try:
+        data = yaml.load(text, Loader=_strict_loader())
+    except yaml.YAMLError as exc:
+        mark, at = getattr(exc, "problem_mark", None), getattr(exc, "context_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        context = getattr(exc, "context", None)
+        said = f" ({context} at line {at.line + 1}, column {at.column + 1})" if context and at else ""
+        raise ConfigError(f"{path}{f', line {mark.line + 1}' if mark else ''}: not valid YAML: {problem}{said}; "
+                          "fix the file") from None
+    if isinstance(data, dict) and "defaults" in data:
+        defaults = data["defaults"]
+        how = ("write one `- NAME` line per entry under `defaults:` (e.g. `- slurm_schema` then `- _self_`), "
+               "or remove it")
+        if not isinstance(defaults, list):
+            raise ConfigError(f"{key} ({path}): defaults: {defaults!r} is not a list: {how}")
+        for entry in defaults:
+            ok = isinstance(entry, str) or (
+                isinstance(entry, dict) and len(entry) == 1 and all(
+                    v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(i, str) for i in v))
+                    for v in entry.values()))
+            if not ok:
+                raise ConfigError(f"{key} ({path}): defaults entry {entry!r}: give a name (`- slurm_schema`) or one "
+                                  "GROUP: NAME pair (`- launcher: slurm`)")
+    return data
 
 
 def _check_sections(data: dict, schema: type, prefix: str) -> None:
