@@ -1,21 +1,10 @@
-"""Short fits: a training that holds its data in memory and lasts minutes, without a ``Run``.
+"""Short fits, the decorator's data: :class:`ShortFit` (a function whose inputs arrive as DataFrames, no ``Run``),
+its settings and ``to_frame`` (a dataset as a pandas or Polars DataFrame, a column of shape ``[rows, k]`` as ``k``
+columns ``<name>_0 .. <name>_<k-1>``).
 
-    from gwenlake_hpc.transforms import train, Input, Output, Model
-
-    @train(training_set=Input("crm.churn-train"), output=Output("crm.churn", predict="...", inputs=[...]))
-    def fit(training_set, output, config: Params):      # training_set: a pandas DataFrame
-        model = fit_something(training_set)
-        joblib.dump(model, output.file("model.joblib"))
-        return {"test_auc": ...}                          # the version's metrics
-
-Each ``Input`` arrives as a pandas DataFrame (a Polars DataFrame when the parameter is annotated with
-``polars.DataFrame``); a column of shape ``[rows, k]`` becomes ``k`` columns ``<name>_0 .. <name>_<k-1>``.
-``Output`` and ``Model`` are the same bindings as a long training's. The result is versioned exactly like one
-(commit on the model branch, lineage, registry, ``candidate`` alias, release gate) and runs the same ways:
-``python -m gwenlake_hpc +job=NAME``, ``gwenlake-train``, ``launcher=slurm``, sweeps, ``fit.local()``.
-
-Inside, the job runs it as a training of one step: the MLflow run gets the params and the returned metrics,
-no checkpoint is written, and an interruption (preemption, time limit) starts it over on the next start.
+Users import them from :mod:`gwenlake_hpc.transforms` (the facade, with the usage example and ``.local()`` /
+``.submit()``). Inside, the job runs a short fit as a training of one step: the MLflow run gets the params and
+the returned metrics, no checkpoint is written, and an interruption starts it over on the next start.
 """
 
 from __future__ import annotations
