@@ -36,7 +36,7 @@ def trained(project):
 @pytest.fixture(scope="module")
 def trained_once(tmp_path_factory):
     """One trained project for the whole table: every case must leave it as it was (each case checks that)."""
-    from conftest import make_test_project
+    from helpers.project import make_test_project
 
     return _train(make_test_project(tmp_path_factory.mktemp("bad-input") / "project"))
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from test_job import run_dir_of, version_of, weights_at
+from helpers.jobs import run_dir_of, version_of, weights_at
 
 pytestmark = pytest.mark.slow
 
@@ -138,7 +138,7 @@ def test_checkpoint_of_a_newer_format_is_refused_with_exit_2(project):
 
 def test_sigkill_right_after_a_seal_loses_no_tracking_point(project):
     """Points up to a checkpoint are on disk before it is sealed: a SIGKILL the moment it appears loses none."""
-    from test_job import assert_one_point_per_step, mlflow_runs
+    from helpers.jobs import assert_one_point_per_step, mlflow_runs
 
     proc = project.popen("+job=t", env={"GWL_TEST_SLEEP": "0.05"})
     sealed = project.root / "runs" / "t.model"
@@ -160,9 +160,9 @@ def test_sigkill_right_after_a_seal_loses_no_tracking_point(project):
 def test_mlflow_system_metrics_continue_across_a_restart(project):
     """MLflow's own switch turns its system metrics on; they land in the job's run, steps increasing across
     an eviction and resume (no step twice)."""
-    from test_job import mlflow_runs
+    from helpers.jobs import mlflow_runs
 
-    from conftest import wait_until
+    from helpers.concurrency import wait_until
 
     env = {"MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "true", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.5",
            "GWL_TEST_SLEEP": "0.05"}
@@ -191,7 +191,7 @@ def test_mlflow_system_metrics_continue_across_a_restart(project):
 
 
 def test_time_breakdown_is_logged_at_each_evaluation_and_drawn(project):
-    from test_job import mlflow_runs
+    from helpers.jobs import mlflow_runs
 
     project.run("+job=t", env={"GWL_TEST_SLEEP": "0.02"}, check=0)
     client, runs = mlflow_runs(project)

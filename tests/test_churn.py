@@ -8,7 +8,7 @@ import pytest
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 
-from conftest import make_churn_project
+from helpers.project import make_churn_project
 from gwenlake_hpc.data import Catalog
 
 

@@ -53,7 +53,7 @@ GROUP_FILES = {
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """The tests' project with one finished run (in process), a plain file and a symlink loop."""
-    from conftest import make_test_project
+    from helpers.project import make_test_project
     from gwenlake_hpc.cli.dispatch import main
 
     project = make_test_project(tmp_path_factory.mktemp("config-errors") / "project")

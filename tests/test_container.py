@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from gwenlake_hpc.base.errors import ConfigError
 from gwenlake_hpc.launch import container as ctr
 from gwenlake_hpc.job.run_environment import check_same_image, container_start
-from oci_bundle import make_bundle
+from helpers.oci_bundle import make_bundle
 
 
 def lc(**container):

@@ -1,5 +1,5 @@
 """launcher.container on the real local cluster: SLURM's --container with runc (scripts/slurm-cluster.sh writes
-oci.conf), an OCI bundle made from this machine's own directories (tests/oci_bundle.py)."""
+oci.conf), an OCI bundle made from this machine's own directories (tests/helpers/oci_bundle.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from oci_bundle import MARKER, make_bundle
-from slurm_cluster import release, require_cluster
-from test_slurm import job_fields, sh, wait_until
+from helpers.oci_bundle import MARKER, make_bundle
+from helpers.slurm_cluster import release, require_cluster
+from helpers.slurm_cluster import job_fields, sh, wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -33,7 +33,7 @@ def test_churn_in_a_container_is_preempted_resumes_and_its_version_names_the_ima
     """The churn job inside an OCI bundle: preempted once (SIGTERM reaches the training inside, one checkpoint,
     SLURM requeues), the image rebuilt while it waits (the next start warns), resumed, committed; every start and
     the lineage name the image's digest."""
-    from conftest import make_churn_project
+    from helpers.project import make_churn_project
 
     project = make_churn_project(tmp_path / "churn")
     bundle = make_bundle(tmp_path / "bundle", marker="one")

@@ -15,7 +15,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from mlflow_server import free_port
+from helpers.mlflow_server import free_port
 
 pytestmark = pytest.mark.slow
 

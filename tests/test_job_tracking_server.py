@@ -9,7 +9,7 @@ import pytest
 from mlflow import MlflowClient
 
 from gwenlake_hpc.stores.tracking.spool import points_of, read_all
-from mlflow_server import MlflowServer, drop_postgres_database, postgres_available, postgres_backend, sqlite_backend
+from helpers.mlflow_server import MlflowServer, drop_postgres_database, postgres_available, postgres_backend, sqlite_backend
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from pathlib import Path
 import git
 import pytest
 
-from conftest import run_concurrently
+from helpers.concurrency import run_concurrently
 from gwenlake_hpc.base.errors import GwenlakeError
 from gwenlake_hpc.stores.registry import load_model
 from gwenlake_hpc.stores.versioning import commit_model, export_version, is_lfs_pointer, push_versions, read_file

@@ -56,7 +56,7 @@ def test_nan_in_a_dataset_is_reported_when_written(tmp_path, caplog):
 
 @pytest.mark.slow
 def test_nan_loss_in_a_job_exits_1_keeps_the_checkpoint_and_commits_nothing(project):
-    from test_job import mlflow_runs, run_dir_of
+    from helpers.jobs import mlflow_runs, run_dir_of
 
     failed = project.run("+job=t", env={"GWL_TEST_NAN_AT": "25"})
     log = failed.stdout + failed.stderr

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO, git
+from helpers.project import git, REPO
 
 
 def readme_command(heading: str) -> str:

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from mlflow import MlflowClient
 
-from conftest import mlflow_server_fixture, run_concurrently
+from helpers.concurrency import run_concurrently
+from helpers.mlflow_server import mlflow_server_fixture
 from gwenlake_hpc.data import Catalog
 from gwenlake_hpc.base.errors import ConfigError, GwenlakeError
 from gwenlake_hpc.stores.registry import alias_history, current_aliases, load_model, move_alias, rollback_target
 from gwenlake_hpc.stores.versioning import list_versions
-from release_project import make_scorer_project, train
+from helpers.release_project import make_scorer_project, train
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,11 @@ import pytest
 from mlflow import MlflowClient
 from sklearn.metrics import roc_auc_score
 
-from conftest import make_churn_project, mlflow_server_fixture
+from helpers.mlflow_server import mlflow_server_fixture
+from helpers.project import make_churn_project
 from gwenlake_hpc.data import Catalog
 from gwenlake_hpc.stores.registry import alias_history, current_aliases, load_model
-from release_project import make_scorer_project, train
+from helpers.release_project import make_scorer_project, train
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Submission over SSH (cluster=NAME): a real sshd on loopback (tests/sshd_server.py) in front of the real local
+"""Submission over SSH (cluster=NAME): a real sshd on loopback (tests/helpers/sshd_server.py) in front of the real local
 SLURM cluster. The ``project`` fixture is the workstation; a separate clone of it is the cluster's checkout
 (``cluster.remote_dir``). Skipped with the reason where sshd or the cluster is missing."""
 
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Project, git, make_churn_project
-from slurm_cluster import require_cluster
-from sshd_server import SshServer, require_sshd
+from helpers.project import git, make_churn_project, Project
+from helpers.slurm_cluster import require_cluster
+from helpers.sshd_server import SshServer, require_sshd
 
 pytestmark = pytest.mark.slurm
 
@@ -367,7 +367,7 @@ def test_done_when_churn_from_a_workstation_clone_through_sshd(sshd, tmp_path):
 
 
 def test_a_container_job_over_ssh_is_checked_and_made_on_the_login_node(rc, tmp_path):
-    from oci_bundle import make_bundle
+    from helpers.oci_bundle import make_bundle
 
     _, proc = rc.submit(f"cluster.launcher.container.image={tmp_path}/nothing", check=2)
     assert "launcher.container.image" in proc.stdout + proc.stderr and "does not exist" in proc.stdout + proc.stderr

@@ -75,7 +75,7 @@ def test_a_job_logs_its_rollouts_as_traces_of_its_run(observed_job):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from conftest import mlflow_server_fixture
+    from helpers.mlflow_server import mlflow_server_fixture
 
     yield from mlflow_server_fixture(tmp_path_factory)
 

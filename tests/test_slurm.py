@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from slurm_cluster import release, require_cluster, show_job
+from helpers.slurm_cluster import job_fields, release, require_cluster, sh, show_job, wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -27,10 +27,6 @@ def _cluster():
     require_cluster()
 
 
-def sh(*cmd) -> str:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout.strip()
-
-
 def submit(project, *overrides, env_vars=None, env=None) -> str:
     args = ["+job=t", *overrides]
     for k, v in (env_vars or {}).items():
@@ -41,26 +37,12 @@ def submit(project, *overrides, env_vars=None, env=None) -> str:
     return m.group(1)
 
 
-def job_fields(job_id) -> dict:
-    return show_job(int(job_id))
-
-
 def state_of(job_id) -> str:
     f = job_fields(job_id)
     if f.get("JobState"):
         return f["JobState"]
     out = sh("sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State").splitlines()
     return out[-1].split()[0] if out else "UNKNOWN"
-
-
-def wait_until(pred, timeout=240, what="condition", poll=0.5):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def finish(job_id, timeout=400) -> str:
@@ -370,7 +352,7 @@ def newest_step(root, pattern):
 @pytest.mark.slow
 def test_churn_survives_preemption_sigkill_and_time_limit(tmp_path):
     """The issue's done-when: the churn job on the cluster, preempted, its step SIGKILLed, past its time limit."""
-    from conftest import make_churn_project
+    from helpers.project import make_churn_project
 
     project = make_churn_project(tmp_path / "churn")
     pattern = "runs/crm.churn/*/checkpoints/step-*"
@@ -419,7 +401,7 @@ def test_churn_survives_preemption_sigkill_and_time_limit(tmp_path):
 def test_lost_node_requeues_and_resumes_from_newest_checkpoint(project):
     """The node under the job dies (slurmd and the job's processes SIGKILLed, node set DOWN): SLURM requeues
     the --requeue job elsewhere, and the new start finds the newest complete checkpoint."""
-    from slurm_cluster import lose_node, revive_node
+    from helpers.slurm_cluster import lose_node, revive_node
 
     job = submit(project, "job.steps=300", "launcher=slurm", "launcher.timeout_min=10", "launcher.cpus_per_task=2",
                  "launcher.progress_every_s=2", env_vars={"GWL_TEST_SLEEP": "0.05"})
@@ -489,7 +471,7 @@ def test_sbatch_template_by_hand_survives_preemption(project):
     import os
     import shutil
 
-    from conftest import REPO
+    from helpers.project import REPO
 
     shutil.copy(REPO / "sbatch" / "train.sbatch", project.root / "train.sbatch")
     env = {**os.environ, "GWENLAKE_PYTHON": sys.executable, "GWL_TEST_SLEEP": "0.05", "OMP_NUM_THREADS": "1"}

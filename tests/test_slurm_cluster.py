@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import (job_restarts, release, require_cluster, sacct_history, sacct_state, sbatch, scancel,
+from helpers.slurm_cluster import (job_restarts, release, require_cluster, sacct_history, sacct_state, sbatch, scancel,
                            show_job, squeue_state, wait_state)
 
 pytestmark = pytest.mark.slurm  # runs in the cluster half of scripts/test.sh

@@ -1,6 +1,6 @@
 """Tests of gwenlake_hpc.stores.tracking against a real MLflow: a SQLite store and a real server.
 
-The server (tests/mlflow_server.py) is started once for the module; the outage tests kill it
+The server (tests/helpers/mlflow_server.py) is started once for the module; the outage tests kill it
 (SIGKILL of its process group) and start it again on the same port and backend.
 """
 
@@ -18,7 +18,7 @@ from mlflow import MlflowClient
 
 from gwenlake_hpc.base.errors import ConfigError
 from gwenlake_hpc.stores.tracking.spool import points_of, read_all
-from conftest import wait_until
+from helpers.concurrency import wait_until
 from gwenlake_hpc.stores.tracking import (
     ATTACH_COUNT_TAG,
     PENDING_STATUS_FILE,
@@ -34,10 +34,7 @@ from gwenlake_hpc.stores.tracking import (
     validate_uri,
 )
 
-try:
-    from mlflow_server import MlflowServer, free_port, postgres_available, serve
-except ImportError:  # tests/ imported as a package
-    from tests.mlflow_server import MlflowServer, free_port, postgres_available, serve
+from helpers.mlflow_server import MlflowServer, free_port, postgres_available, serve
 
 LOGGER = "gwenlake_hpc.tracking"
 

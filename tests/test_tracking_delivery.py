@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from conftest import wait_until
+from helpers.concurrency import wait_until
 from gwenlake_hpc.stores.tracking import Tracker, default_uri
 from gwenlake_hpc.stores.tracking import spool as spool_mod
 from gwenlake_hpc.stores.tracking import delivery_process

@@ -80,7 +80,7 @@ def test_a_stop_signal_ends_a_short_fit_at_once_and_the_next_start_fits_again(pr
     output file of the stopped start is not committed by the next one."""
     import signal
 
-    from conftest import wait_until
+    from helpers.concurrency import wait_until
 
     reached, go = tmp_path / "reached", tmp_path / "go"
     proc = project.popen("job.target=trainer.py:short", env={"GWL_TEST_SHORT_WAIT": f"{reached}:{go}"})

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from conftest import Project, make_test_project, mlflow_server_fixture
+from helpers.mlflow_server import mlflow_server_fixture
+from helpers.project import make_test_project, Project
 
 HERE = Path(__file__).parent
 
@@ -103,7 +104,7 @@ def test_long_fit_calling_mlflow_reports_to_a_tracking_server(mlproject, mlflow_
 def test_short_fit_calling_mlflow_reports_into_its_run(mlproject, tmp_path):
     import signal
 
-    from conftest import wait_until
+    from helpers.concurrency import wait_until
 
     reached, go = tmp_path / "reached", tmp_path / "go"
     proc = mlproject.popen("job.target=mltrainer.py:fit_short", env={"GWL_TEST_SHORT_WAIT": f"{reached}:{go}"})
@@ -274,7 +275,7 @@ def test_a_tracking_uri_set_in_the_environment_or_by_the_module_is_set_aside(mlp
 
 @pytest.mark.slurm
 def test_a_training_calling_mlflow_on_the_slurm_cluster_reports_into_its_run(mlproject):
-    from slurm_cluster import require_cluster
+    from helpers.slurm_cluster import require_cluster
 
     from gwenlake_hpc.launch.status import wait
 

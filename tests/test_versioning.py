@@ -14,7 +14,7 @@ from pathlib import Path
 import git
 import pytest
 
-from conftest import run_concurrently
+from helpers.concurrency import run_concurrently
 from gwenlake_hpc.base.errors import ConfigError, GwenlakeError
 from gwenlake_hpc.stores.versioning import (
     CODE_TRAILER,

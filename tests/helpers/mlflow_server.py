@@ -2,7 +2,7 @@
 
 Usage::
 
-    from mlflow_server import MlflowServer, serve, sqlite_backend
+    from helpers.mlflow_server import MlflowServer, serve, sqlite_backend
 
     with MlflowServer(sqlite_backend(tmp_path), workdir=tmp_path) as server:
         client = mlflow.MlflowClient(server.uri)      # "http://127.0.0.1:<port>"
@@ -352,3 +352,8 @@ def _stop_all() -> None:
     for server in list(_LIVE):
         with contextlib.suppress(Exception):
             server.stop(kill=True, timeout_s=5.0)
+
+
+def mlflow_server_fixture(tmp_path_factory):
+    """Body of a module-scoped ``mlflow server`` fixture: PostgreSQL-backed when one answers, else SQLite."""
+    yield from serve(tmp_path_factory.mktemp("mlflow"), backend="postgresql" if postgres_available() else "sqlite")

@@ -229,3 +229,21 @@ def revive_node(node: str, timeout_s: float = 120) -> None:
         _run(["scontrol", "update", f"nodename={node}", "state=resume"])
         time.sleep(1)
     raise RuntimeError(f"node {node} did not come back: {node_states()}")
+
+
+def sh(*cmd) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout.strip()
+
+
+def job_fields(job_id) -> dict:
+    return show_job(int(job_id))
+
+
+def wait_until(pred, timeout=240, what="condition", poll=0.5):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}")

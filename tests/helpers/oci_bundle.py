@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MARKER = "gwenlake-test-image"
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conftest import REPO, Project, git
+from helpers.project import REPO, Project, git
 
 TRUE_W = np.array([1.0, -2.0, 0.5, 0.0], dtype=np.float32)
 
