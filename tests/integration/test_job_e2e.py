@@ -5,17 +5,14 @@ from __future__ import annotations
 import json
 import random
 import signal
-import subprocess
 import time
-from pathlib import Path
 
 import torch
 from mlflow import MlflowClient
-from safetensors.torch import load_file
 
 import pytest
 
-from helpers.jobs import mlflow_runs, run_dir_of, version_of, weights_at
+from helpers.jobs import VERSION_PREFIX, assert_one_point_per_step, mlflow_runs, run_dir_of, version_of, weights_at
 
 
 @pytest.mark.slow
@@ -128,26 +125,6 @@ def test_longer_steps_extends_finished_run_and_params_start_new(project):
     # the user's working tree, index and branch were never touched
     assert project.git("rev-parse", "--abbrev-ref", "HEAD") == "main"
     assert project.git("status", "--porcelain", "--untracked-files=no") == ""
-
-
-def test_tracking_false_touches_no_store(project):
-    project.run("+job=t", "job.tracking=false", check=0)
-    assert not (project.root / "runs" / "mlflow.db").exists()
-    assert not (run_dir_of(project) / "tracking").exists()
-
-
-def test_second_process_on_the_same_run_is_refused(project):
-    f = project.root
-    first = project.popen("+job=t", "job.tracking=false", env={"GWL_TEST_PAUSE": f"10:{f}/reached:{f}/go"})
-    deadline = time.time() + 120
-    while not (f / "reached").exists():
-        assert time.time() < deadline
-        time.sleep(0.05)
-    second = project.run("+job=t", "job.tracking=false")
-    assert second.returncode == 2 and "is being trained by pid" in second.stdout + second.stderr
-    (f / "go").touch()
-    out, err = first.communicate(timeout=120)
-    assert first.returncode == 0, out + err
 
 
 @pytest.mark.slow

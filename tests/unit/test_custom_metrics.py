@@ -9,6 +9,7 @@ import pytest
 
 from gwenlake_hpc.stores.tracking import custom_metrics
 from gwenlake_hpc.stores.tracking.custom_metrics import log_custom_metric
+from helpers.custom_metrics import parse
 
 
 @pytest.fixture
@@ -24,20 +25,6 @@ def listener(monkeypatch):
     yield sock
     custom_metrics.reset()
     sock.close()
-
-
-def parse(datagram: bytes) -> list[tuple[str, float, str, dict[str, str]]]:
-    """StatsD lines ``name:value|type|#k:v,...`` -> (name, value, type, tags)."""
-    out = []
-    for line in datagram.decode("ascii").split("\n"):
-        head, *fields = line.split("|")
-        name, value = head.rsplit(":", 1)
-        tags = {}
-        for f in fields[1:]:
-            if f.startswith("#"):
-                tags = dict(t.split(":", 1) for t in f[1:].split(","))
-        out.append((name, float(value), fields[0], tags))
-    return out
 
 
 def test_gauge_with_tags_arrives_as_statsd_line(listener):
@@ -95,19 +82,3 @@ def test_unresolvable_host_is_off_with_a_warning(monkeypatch, caplog):
     custom_metrics.reset()
 
 
-@pytest.mark.slow
-def test_a_job_sends_one_gauge_per_step_equal_to_the_tracked_loss(observed_job):
-    """statsd.host/port in the job config; the training's values are the MLflow run's loss points."""
-    from mlflow import MlflowClient
-
-    project, proc = observed_job.project, observed_job.proc
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    lines = [line for d in observed_job.datagrams for line in parse(d)]
-    assert {name for name, *_ in lines} == {"ci.custom_metrics.loss"}
-    sent = {int(tags["step"]): value for _, value, _, tags in lines}
-    assert sorted(sent) == list(range(1, 31)) and all(tags["split"] == "train" for *_, tags in lines)
-    uri = f"sqlite:///{project.root / 'runs' / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri)
-    run_id = (next((project.root / "runs" / "t.model").iterdir()) / "tracking" / "run_id").read_text().strip()
-    tracked = {m.step: m.value for m in client.get_metric_history(run_id, "loss")}
-    assert sent == tracked

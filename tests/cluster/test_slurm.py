@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from helpers.slurm_cluster import job_fields, release, require_cluster, sh, show_job, wait_until
+from helpers.slurm_cluster import job_fields, release, require_cluster, sh, wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -272,7 +272,6 @@ def test_sweep_is_one_job_array_and_every_task_completes(project):
     versions = project.git("log", "--format=%H", "models/t.model").splitlines()
     lineages = [json.loads(project.git("show", f"{v}:t/model/lineage.json")) for v in versions[:3]]
     assert sorted(lin["config"]["params"]["lr"] for lin in lineages) == [0.01, 0.02, 0.03]
-
 
 
 def test_a_waited_sweep_with_a_failed_task_exits_1_and_says_which(project):

@@ -277,16 +277,3 @@ def test_decorator_image_is_the_default_the_config_overrides():
         parse_resources({"image": "a\nb"})
 
 
-@pytest.mark.slow
-def test_dry_run_shows_the_container_step_and_bad_image_exits_2(project):
-    proc = project.run("+job=t", "launcher=slurm", "launcher.dry_run=true",
-                       f"launcher.container.image={project.root}/none.sif", check=2)
-    said = proc.stdout + proc.stderr
-    assert "launcher.container.image" in said and "does not exist" in said
-    assert not (project.root / "runs").exists() or not any((project.root / "runs").rglob("slurm"))
-    bundle = make_bundle(project.root.parent / "bundle")
-    proc = project.run("+job=t", "launcher=slurm", "launcher.dry_run=true", f"launcher.container.image={bundle}",
-                       check=0)
-    assert "--container=" in proc.stdout and "GWENLAKE_CONTAINER_DIGEST=sha256:" in proc.stdout
-    assert "python3 -m gwenlake_hpc.launch.boot -u -m submitit.core._submit" in proc.stdout
-    assert "gwenlake-requeue.py --rc" in proc.stdout

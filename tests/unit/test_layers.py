@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parents[1] / "gwenlake_hpc"
+PKG = Path(__file__).resolve().parents[2] / "gwenlake_hpc"
 
 #: Top to bottom. A module belongs to the first layer whose prefix it starts with.
 LAYERS = [

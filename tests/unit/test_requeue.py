@@ -220,7 +220,7 @@ def test_every_batch_script_exports_the_start_cap():
 
     lc = OmegaConf.create({"name": "slurm", "max_starts": 7})
     assert "export GWENLAKE_MAX_STARTS=7" in setup_lines(lc, None)
-    assert 'export GWENLAKE_MAX_STARTS="$MAX_STARTS"' in (Path(__file__).parent.parent / "sbatch" /
+    assert 'export GWENLAKE_MAX_STARTS="$MAX_STARTS"' in (Path(__file__).resolve().parents[2] / "sbatch" /
                                                            "train.sbatch").read_text()
 
 

@@ -5,27 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pandas as pd
 
 import pytest
-
-GWENLAKE_TRAIN = str(Path(sys.executable).with_name("gwenlake-train"))
-
-
-def train_cmd(project, *args, **kw):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **kw.pop("env", {})}
-    return subprocess.run([GWENLAKE_TRAIN, *args], cwd=project.root, env=env, capture_output=True, text=True,
-                          timeout=300, **kw)
-
-
-def test_list_finds_decorated_functions(project):
-    proc = train_cmd(project, "--list")
-    assert proc.returncode == 0, proc.stderr
-    assert "trainer.py:fit  -> t.model  steps=60 eval_every=10" in proc.stdout
+from helpers.cli import GWENLAKE_TRAIN, train_cmd
 
 
 @pytest.mark.slow
@@ -45,22 +30,6 @@ def test_train_steps_interrupt_and_resume(project):
     assert again.stdout.strip().splitlines()[-1].startswith("model t.model version ")
 
 
-def test_unknown_function_is_a_usage_error(project):
-    proc = train_cmd(project, "nothing_here")
-    assert proc.returncode == 2
-    assert "trainer.py:fit" in proc.stderr  # says what exists
-
-
-def test_subcommands_are_not_overrides(project):
-    for cmd in (["tracking", "--help"], ["data", "import", "--help"], ["models", "list", "--help"]):
-        proc = project.run(*cmd)
-        assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr
-    proc = project.run("tracking", "sync", str(project.root / "nowhere"))
-    assert proc.returncode == 2 and "tracking" in proc.stderr
-    proc = project.run("tracking", "sync", str(project.root / "trainer.py"))  # a file
-    assert proc.returncode == 2 and "not the tracking folder of a run" in proc.stderr, proc.stderr
-
-
 @pytest.mark.slow
 def test_data_import_csv_then_show_and_train_on_it(project):
     csv = project.root / "rows.csv"
@@ -74,17 +43,6 @@ def test_data_import_csv_then_show_and_train_on_it(project):
     assert "label: str" in show.stdout
     bad = project.run("data", "import", str(csv), "../escape")
     assert bad.returncode == 2 and "group.name" in bad.stderr
-
-
-def test_models_list_and_commit_by_hand(project):
-    project.run("+job=t", "job.tracking=false", check=0)
-    d = project.root / "handmade"
-    d.mkdir()
-    (d / "weights.bin").write_bytes(b"\x00\x01")
-    proc = project.run("models", "commit", str(d), "t.model", "-m", "hand-tuned", check=0)
-    sha = proc.stdout.split()[-1]
-    listed = project.run("models", "list", "t.model", check=0).stdout.splitlines()
-    assert len(listed) == 2 and listed[0].startswith(sha) and "hand-tuned" in listed[0]
 
 
 @pytest.mark.slow
