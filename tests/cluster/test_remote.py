@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.project import git, make_churn_project, Project
+from helpers.project import Project, files_under, git, make_churn_project
 from helpers.slurm_cluster import require_cluster
 from helpers.sshd_server import SshServer, require_sshd
 
@@ -369,9 +369,10 @@ def test_done_when_churn_from_a_workstation_clone_through_sshd(sshd, tmp_path):
 def test_a_container_job_over_ssh_is_checked_and_made_on_the_login_node(rc, tmp_path):
     from helpers.oci_bundle import make_bundle
 
+    runs_before = files_under(rc.remote / "runs")
     _, proc = rc.submit(f"cluster.launcher.container.image={tmp_path}/nothing", check=2)
     assert "launcher.container.image" in proc.stdout + proc.stderr and "does not exist" in proc.stdout + proc.stderr
-    assert not (rc.remote / "runs").exists() or not list((rc.remote / "runs").rglob("oci-bundle"))
+    assert files_under(rc.remote / "runs") == runs_before  # refused before anything was written: no bundle, no run
     sif = tmp_path / "train.sif"  # an image file, but no Apptainer on the login node (none on this machine)
     sif.write_bytes(b"not really an image")
     _, proc = rc.submit(f"cluster.launcher.container.image={sif}", "cluster.launcher.container.runtime=apptainer",

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from helpers.project import files_under
 from helpers.slurm_cluster import job_fields, release, require_cluster, sh, wait_until
 
 pytestmark = pytest.mark.slurm
@@ -246,9 +247,10 @@ def test_dry_run_quotes_values_and_refuses_newlines(project, tmp_path):
     export = next(line for line in script.splitlines() if line.startswith("export EVIL="))
     out = subprocess.run(["bash", "-c", export + '; printf %s "$EVIL"'], capture_output=True, text=True).stdout
     assert out == f'$(touch {marker})"; touch {marker}' and not marker.exists()
+    runs_before = files_under(project.root / "runs")
     bad = project.run("+job=t", "launcher=slurm", "launcher.dry_run=true", "launcher.partition='low\nrm -rf x'")
     assert bad.returncode == 2 and "launcher.partition" in bad.stderr + bad.stdout
-    assert not (project.root / "runs" / "t.model").exists() or not list(project.root.glob("runs/t.model/*/slurm"))
+    assert files_under(project.root / "runs") == runs_before  # refused before anything was written
 
 
 def test_a_submission_sbatch_refuses_leaves_no_run_directory_behind(project):

@@ -21,6 +21,13 @@ def git(cwd, *args):
                           check=True, capture_output=True, text=True).stdout.strip()
 
 
+def files_under(folder: Path) -> list[str]:
+    """Every file and folder under ``folder``, as sorted relative paths; [] where ``folder`` does not exist.
+
+    Compared before and after a command to show that it wrote nothing there."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) if folder.exists() else []
+
+
 @dataclass
 class Project:
     """A user's project: cwd of the jobs, its own git repository (also the model repository)."""

@@ -1,7 +1,9 @@
 """Run: step numbering, at_eval, eviction at step boundaries, resume with computed data position."""
 
 import logging
+import math
 import os
+import time
 
 import numpy as np
 import pytest
@@ -424,6 +426,7 @@ class DurableRecorder(Recorder):
 @pytest.mark.parametrize("sync", [True, False])
 def test_an_evaluation_steps_time_breakdown_is_made_durable_with_its_checkpoint(tmp_path, sync):
     # A kill after the seal must not lose the breakdown of the step the resumed run starts after.
+    t0 = time.perf_counter()
     run = make_run(tmp_path, tracker=DurableRecorder(), steps=12, eval_every=4, checkpoint_async=not sync)
     for step, _ in run.steps():
         if step in (4, 12):  # 8: an evaluation step without a checkpoint
@@ -434,4 +437,10 @@ def test_an_evaluation_steps_time_breakdown_is_made_durable_with_its_checkpoint(
     assert [s for _, s in times] == [4, 8, 12]  # one breakdown per evaluation step, none twice
     first_seal, last_seal = run.tracker.durable_at
     assert times[0][0] < first_seal and times[2][0] < last_seal  # queued before the seal's points were made durable
-    assert all(v >= 0 for _, values in run.tracker.points if "time/compute" in values for v in values.values())
+    elapsed_s = time.perf_counter() - t0
+    breakdowns = [values for _, values in run.tracker.points if "time/compute" in values]
+    assert all(set(b) == {"time/input", "time/compute", "time/checkpoint", "time/tracking"} for b in breakdowns)
+    assert all(0.0 <= v < math.inf for b in breakdowns for v in b.values())
+    # Seconds per step over windows of 4 steps: disjoint parts of the loop, so they add up to no more than its time.
+    assert sum(4 * sum(b.values()) for b in breakdowns) <= elapsed_s
+    assert breakdowns[0]["time/checkpoint"] > 0 and breakdowns[2]["time/checkpoint"] > 0  # the blocks at 4 and 12
