@@ -1,5 +1,5 @@
 """Bad input: a clear error naming the field, exit status 2, and nothing deleted (through real processes; the
-whole table of bad settings runs in process in ``tests/test_config_errors.py``)."""
+whole table of bad settings runs in process in ``tests/unit/test_config_errors.py``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def trained_once(tmp_path_factory):
     return _train(make_test_project(tmp_path_factory.mktemp("bad-input") / "project"))
 
 
-# The whole table runs in process in tests/test_config_errors.py (fast tier); these go through a real
+# The whole table runs in process in tests/unit/test_config_errors.py (fast tier); these go through a real
 # `python -m gwenlake_hpc` process: Hydra's own errors, the sweep launcher, a value with a newline in argv.
 @pytest.mark.parametrize("args, needle", [
     (["+job=nope"], "job/nope"),

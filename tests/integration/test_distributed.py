@@ -1,6 +1,6 @@
 """Multi-task runs (torch.distributed on gloo) without a cluster: two processes with torchrun's environment.
 
-The same code path runs under SLURM (tests/test_slurm.py covers 2 tasks on a node and 2 nodes there): the
+The same code path runs under SLURM (tests/cluster/test_slurm.py covers 2 tasks on a node and 2 nodes there): the
 stop decision agreed by all ranks, rank 0 writing the one checkpoint with every rank's RNG and data position,
 and a resume that ends bit-identical to an uninterrupted run.
 """

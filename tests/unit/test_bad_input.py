@@ -1,5 +1,5 @@
 """Bad input: a clear error naming the field, exit status 2, and nothing deleted (through real processes; the
-whole table of bad settings runs in process in ``tests/test_config_errors.py``)."""
+whole table of bad settings runs in process in ``tests/unit/test_config_errors.py``)."""
 
 from __future__ import annotations
 

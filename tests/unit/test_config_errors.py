@@ -1,7 +1,7 @@
 """Bad settings, in process (fast tier): exit status 2, a message naming the key, and nothing written or deleted.
 
 The command line's own entry point (``gwenlake_hpc.cli.dispatch.main``) runs here, in the test's process, against a
-project trained once; ``tests/test_bad_input.py`` keeps a few of the same cases as real subprocesses. The
+project trained once; ``tests/*/test_bad_input*.py`` keeps a few of the same cases as real subprocesses. The
 rules themselves (``gwenlake_hpc.base.rules``, applied by the config dataclasses) are tested below on their own.
 """
 

@@ -1,6 +1,6 @@
 """launcher.container without a cluster: checks before submission, the rendered step, the image's identity as the
 batch script computes it (real bash), and what a start records. The runs on the local cluster are in
-tests/test_container_slurm.py."""
+tests/cluster/test_container_slurm.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""End-to-end: whole jobs in subprocesses, with real signals, a real SQLite MLflow store and real git."""
+"""Short jobs in subprocesses: tracking off touches no store; a second process on a run is refused (the long
+end-to-end runs are in tests/integration/test_job_e2e.py)."""
 
 from __future__ import annotations
 

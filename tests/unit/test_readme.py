@@ -1,4 +1,5 @@
-"""The README's main-job command, as a new user runs it: a clean copy of the project, a new virtualenv."""
+"""The README's loop example, run in process (its main-job command in a clean virtualenv is in
+tests/integration/test_readme_e2e.py)."""
 
 from __future__ import annotations
 
