@@ -1,4 +1,5 @@
-"""What the tests of test_bad_input.py share across their tiers (unit/, integration/, cluster/)."""
+"""Bad input through real processes: a project trained once (``trained``), snapshots of what a refused
+command may not change, a user's cluster file."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def snapshot(root):
     return out
 
 
-def _train(project):
+def train_t(project):
     project.run("+job=t", "job.tracking=false", check=0)
     (project.root / "afile").write_text("a plain file where a folder is expected\n")
     (project.root / "loop1").symlink_to("loop2")
@@ -27,7 +28,7 @@ def _train(project):
 
 @pytest.fixture
 def trained(project):
-    return _train(project)
+    return train_t(project)
 
 
 #: What a user writes from the README's list of keys: the connection keys, no defaults list naming the schema.

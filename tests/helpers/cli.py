@@ -1,4 +1,4 @@
-"""What the tests of test_cli.py share across their tiers (unit/, integration/, cluster/)."""
+"""Running the ``gwenlake-train`` entry point (installed beside this interpreter) in a test project."""
 
 from __future__ import annotations
 

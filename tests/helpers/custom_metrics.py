@@ -1,4 +1,4 @@
-"""What the tests of test_custom_metrics.py share across their tiers (unit/, integration/, cluster/)."""
+"""Parsing StatsD datagrams (``name:value|type|#tags``) as the custom-metric tests receive them."""
 
 from __future__ import annotations
 

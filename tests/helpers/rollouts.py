@@ -1,4 +1,4 @@
-"""What the tests of test_rollouts.py share across their tiers (unit/, integration/, cluster/)."""
+"""An RL chat with a tool call, logged as a rollout by the rollout tests (unit/ and integration/)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the tests of test_tracking.py share across their tiers (unit/, integration/, cluster/)."""
+"""The tracking tests' MLflow server (one per module), SQLite folder, polling and readers of the spool."""
 
 from __future__ import annotations
 

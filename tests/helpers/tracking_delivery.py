@@ -1,4 +1,4 @@
-"""What the tests of test_tracking_delivery.py share across their tiers (unit/, integration/, cluster/)."""
+"""The delivery process's tests: a training program run in a subprocess, its environment, polling."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the tests of test_tracking_store.py share across their tiers (unit/, integration/, cluster/)."""
+"""A Python program, run in subprocesses, that creates a SQLite MLflow store, an experiment and a run."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the tests of test_user_mlflow.py share across their tiers (unit/, integration/, cluster/)."""
+"""A project whose trainer calls MLflow's own API (tests/project_mlflow), a server, readers of its runs."""
 
 from __future__ import annotations
 

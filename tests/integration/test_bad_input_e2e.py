@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 import pytest
-from helpers.bad_input import _train, snapshot
+from helpers.bad_input import train_t, snapshot
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +13,7 @@ def trained_once(tmp_path_factory):
     """One trained project for the whole table: every case must leave it as it was (each case checks that)."""
     from helpers.project import make_test_project
 
-    return _train(make_test_project(tmp_path_factory.mktemp("bad-input") / "project"))
+    return train_t(make_test_project(tmp_path_factory.mktemp("bad-input") / "project"))
 
 
 # The whole table runs in process in tests/unit/test_config_errors.py (fast tier); these go through a real
