@@ -17,6 +17,11 @@ if str(TESTS) not in sys.path:  # `import helpers` from any tier's folder, whate
 
 from helpers.project import Project, make_test_project  # noqa: E402
 
+# Fixtures used by tests in more than one tier, defined beside their helpers (a test module's own fixture of the
+# same name takes precedence): `trained`; the tracking tests' `server`, `live`, `sqlite_dir`; `mlproject`,
+# `mlflow_server` of the user-MLflow tests.
+pytest_plugins = ["helpers.bad_input", "helpers.tracking", "helpers.user_mlflow"]
+
 
 @pytest.fixture
 def project(tmp_path) -> Project:
