@@ -106,7 +106,7 @@ def main() -> None:
         ratio("ratio_reattach_long_over_short", long_s / short_s, "<=", 1.2)
 
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from mlflow_server import MlflowServer, sqlite_backend
+        from helpers.mlflow_server import MlflowServer, sqlite_backend
 
         with MlflowServer(sqlite_backend(tmp / "server"), workdir=tmp / "server") as server:
             rates: dict[str, list[float]] = {"off": [], "sqlite": [], "server": []}

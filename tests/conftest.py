@@ -1,130 +1,31 @@
-"""Shared fixtures: a temporary project (conf/, a training module, a git repository, a dataset)."""
+"""Shared fixtures: a temporary project (``project``) and one observed job (``observed_job``).
+
+The helpers live in tests/helpers/ (a package: ``from helpers.project import make_test_project``); test files
+import from there, never from each other. The tiers are folders: unit/ (no services, seconds), integration/
+(real MLflow, git, whole jobs in subprocesses: ``slow``), cluster/ (SLURM and SSH: ``slurm``)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-HERE = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:  # `import helpers` from any tier's folder, whatever pytest's import mode
+    sys.path.insert(0, str(TESTS))
 
+from helpers.project import Project, make_test_project  # noqa: E402
 
-def git(cwd, *args):
-    return subprocess.run(["git", "-c", "user.name=test", "-c", "user.email=test@localhost", *args], cwd=cwd,
-                          check=True, capture_output=True, text=True).stdout.strip()
-
-
-@dataclass
-class Project:
-    """A user's project: cwd of the jobs, its own git repository (also the model repository)."""
-
-    root: Path
-
-    def run(self, *args, env=None, timeout=300, check=None):
-        """Run ``python -m gwenlake_hpc ARGS`` in the project; returns CompletedProcess (text)."""
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-        full_env.pop("GWENLAKE_CONF", None)
-        proc = subprocess.run([sys.executable, "-m", "gwenlake_hpc", *args], cwd=self.root, env=full_env,
-                              capture_output=True, text=True, timeout=timeout)
-        if check is not None and proc.returncode != check:
-            raise AssertionError(f"exit {proc.returncode} != {check}\nSTDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}")
-        return proc
-
-    def popen(self, *args, env=None):
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-        return subprocess.Popen([sys.executable, "-m", "gwenlake_hpc", *args], cwd=self.root, env=full_env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def git(self, *args):
-        return git(self.root, *args)
+# Fixtures used by tests in more than one tier, defined beside their helpers (a test module's own fixture of the
+# same name takes precedence): `trained`; the tracking tests' `server`, `live`, `sqlite_dir`; `mlproject`,
+# `mlflow_server` of the user-MLflow tests.
+pytest_plugins = ["helpers.bad_input", "helpers.tracking", "helpers.user_mlflow"]
 
 
 @pytest.fixture
 def project(tmp_path) -> Project:
     return make_test_project(tmp_path / "project")
-
-
-def make_test_project(root: Path) -> Project:
-    """The tests' user project (conf/, tests/project's trainer and job t, dataset t.rows) at ``root``."""
-    shutil.copytree(REPO / "conf", root / "conf")
-    shutil.copy(HERE / "project" / "conf" / "job" / "t.yaml", root / "conf" / "job" / "t.yaml")
-    shutil.copy(HERE / "project" / "trainer.py", root / "trainer.py")
-    (root / ".gitignore").write_text("runs/\ndata/\n")
-    git(root, "init", "-q", "-b", "main")
-    git(root, "add", "-A")
-    git(root, "commit", "-q", "-m", "code")
-
-    from gwenlake_hpc.data import Catalog
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(200, 4)).astype(np.float32)
-    y = (x @ np.array([1.0, -2.0, 0.5, 0.0], dtype=np.float32) + 0.1 * rng.normal(size=200)).astype(np.float32)
-    Catalog(root / "data").write("t.rows", {"x": x, "y": y})
-    return Project(root)
-
-
-def make_churn_project(root: Path, message: str = "code") -> Project:
-    """A user's project holding the churn example (conf/, examples/), committed in its own git repository."""
-    root.mkdir(parents=True)
-    shutil.copytree(REPO / "conf", root / "conf")
-    shutil.copytree(REPO / "examples", root / "examples", ignore=shutil.ignore_patterns("__pycache__"))
-    (root / ".gitignore").write_text("runs/\ndata/\n")
-    git(root, "init", "-q", "-b", "main")
-    git(root, "add", "-A")
-    git(root, "commit", "-q", "-m", message)
-    return Project(root)
-
-
-def mlflow_server_fixture(tmp_path_factory):
-    """Body of a module-scoped ``mlflow server`` fixture: PostgreSQL-backed when one answers, else SQLite."""
-    from mlflow_server import postgres_available, serve
-
-    yield from serve(tmp_path_factory.mktemp("mlflow"), backend="postgresql" if postgres_available() else "sqlite")
-
-
-def run_concurrently(n: int, work) -> dict:
-    """Call ``work(i)`` for i in 0..n-1 in n threads released together; returns {i: result}.
-
-    Raises the first exception a thread raised (after all threads ended)."""
-    import threading
-
-    barrier = threading.Barrier(n)
-    results, errors = {}, []
-
-    def run(i):
-        try:
-            barrier.wait()
-            results[i] = work(i)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
-def wait_until(pred, timeout_s: float = 60.0, what: str = "") -> None:
-    """Poll ``pred()`` every 50 ms until it is true; AssertionError after ``timeout_s`` (generous: loaded machines)."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what or pred}")
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@
 submitit renders the script of ``launcher=slurm`` itself when it submits (public API: the executor's
 parameters). The dry run (``launcher.dry_run=true``) and the jobs submitted over SSH (``cluster=NAME``) need the
 text without submitting; it is made here rather than with submitit's private ``_make_sbatch_string``, and
-``tests/test_sbatch_script.py`` checks that both agree.
+``tests/unit/test_sbatch_script.py`` checks that both agree.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A training that calls MLflow's own API each step (issue 15), for tests/test_user_mlflow.py.
+"""A training that calls MLflow's own API each step (issue 15), for tests/*/test_user_mlflow*.py.
 
 GWL_TEST_SIGTERM_AT=k  the process sends itself SIGTERM during step k (a real signal).
 GWL_TEST_SHORT_WAIT=r:g  the short fit, after its third point, creates file r and waits for file g.

@@ -1,0 +1,52 @@
+"""Bad input: a clear error naming the field, exit status 2, and nothing deleted (through real processes; the
+whole table of bad settings runs in process in ``tests/unit/test_config_errors.py``)."""
+
+from __future__ import annotations
+
+
+import pytest
+from helpers.bad_input import train_t, snapshot
+
+
+@pytest.fixture(scope="module")
+def trained_once(tmp_path_factory):
+    """One trained project for the whole table: every case must leave it as it was (each case checks that)."""
+    from helpers.project import make_test_project
+
+    return train_t(make_test_project(tmp_path_factory.mktemp("bad-input") / "project"))
+
+
+# The whole table runs in process in tests/unit/test_config_errors.py (fast tier); these go through a real
+# `python -m gwenlake_hpc` process: Hydra's own errors, the sweep launcher, a value with a newline in argv.
+@pytest.mark.parametrize("args, needle", [
+    (["+job=nope"], "job/nope"),
+    (["+job=t", "job.bogus=1"], "bogus"),
+    (["+job=t", "job.steps=0"], "job.steps=0: must be a whole number >= 1"),  # would commit an untrained model
+    (["+job=t", "job.resume=never", "job.steps=90"], "job.resume=never"),
+    (["+job=t", "job.model=modèle"], "job.model='modèle'"),  # Hydra's lexer refuses it unquoted: say how
+    (["+job=t", "paths.runs_root='ru\nns'"], "holds control characters"),
+    (["+job=t", "launcher=slurm", "launcher.timeout_min=0"], "launcher.timeout_min=0"),
+    (["-m", "+job=t", "launcher=slurm", "job.params.lr=0.1,fast"], "could not be converted to Float"),
+    (["+job=t", "tracking.uri=http://"], "names no host"),
+])
+@pytest.mark.slow
+def test_config_errors_exit_2_and_delete_nothing(trained_once, args, needle):
+    trained = trained_once
+    before = snapshot(trained.root)
+    starts = (next((trained.root / "runs" / "t.model").iterdir()) / "run.json").read_text()
+    proc = trained.run(*args, "job.tracking=false" if "tracking.uri" not in " ".join(args) else "job.tracking=true")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert needle in proc.stdout + proc.stderr
+    assert snapshot(trained.root) == before
+    assert (next((trained.root / "runs" / "t.model").iterdir()) / "run.json").read_text() == starts  # no start
+
+
+@pytest.mark.slow
+def test_missing_column(trained):
+    before = snapshot(trained.root)
+    proc = trained.run("+job=t", "job.tracking=false", "job.steps=70", env={"GWL_TEST_BAD": "column"})
+    assert proc.returncode == 2
+    assert "nope" in proc.stderr + proc.stdout
+    assert snapshot(trained.root) == before
+
+

@@ -1,0 +1,106 @@
+"""Multi-task runs (torch.distributed on gloo) without a cluster: two processes with torchrun's environment.
+
+The same code path runs under SLURM (tests/cluster/test_slurm.py covers 2 tasks on a node and 2 nodes there): the
+stop decision agreed by all ranks, rank 0 writing the one checkpoint with every rank's RNG and data position,
+and a resume that ends bit-identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+from helpers.mlflow_server import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def launch(project, *args, world=2, env=None, timeout=240):
+    """Run ``python -m gwenlake_hpc ARGS`` as ``world`` ranks; returns [(rc, stdout, stderr)] by rank."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        e = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+             "GWENLAKE_DIST_TIMEOUT_S": "60", **(env or {})}
+        procs.append(subprocess.Popen([sys.executable, "-m", "gwenlake_hpc", *args], cwd=project.root, env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        so, se = p.communicate(timeout=timeout)
+        out.append((p.returncode, so, se))
+    return out
+
+
+def model_of(project, version):
+    path = project.root / "m.safetensors"
+    path.write_bytes(subprocess.run(["git", "show", f"{version}:t/model/model.safetensors"], cwd=project.root,
+                                    capture_output=True, check=True).stdout)
+    return load_file(str(path))
+
+
+def version_in(stdout):
+    line = next(line for line in stdout.splitlines() if line.startswith("model t.model version "))
+    return line.split()[-1]
+
+
+def test_stop_seen_by_one_rank_stops_all_and_resume_is_bit_identical(project):
+    ref = launch(project, "+job=t", "paths.runs_root=runs-ref")
+    assert [r[0] for r in ref] == [0, 0], ref[0][2][-3000:] + ref[1][2][-3000:]
+    assert "model t.model version" in ref[0][1] and "model t.model version" not in ref[1][1]  # rank 0 commits
+    reference = model_of(project, version_in(ref[0][1]))
+
+    # SIGTERM reaches rank 1 only, during step 23: both ranks end after step 24 with one checkpoint.
+    first = launch(project, "+job=t", env={"GWL_TEST_SIGTERM_AT": "23", "GWL_TEST_SIGTERM_RANK": "1"})
+    assert [r[0] for r in first] == [75, 75], first[0][2][-3000:] + "\n=====\n" + first[1][2][-6000:]
+    for rc, so, se in first:
+        assert "loop ended after step 24" in so + se, so + se
+    # Every rank logs the real reason, rank 0 too (it got no signal).
+    assert "stop requested (SIGTERM on rank 1): loop ended" in first[0][1] + first[0][2], first[0][2][-3000:]
+    assert "stop requested (SIGTERM): loop ended" in first[1][1] + first[1][2]
+    run_dir = next((project.root / "runs" / "t.model").iterdir())
+    ck = run_dir / "checkpoints" / "step-000000024"
+    manifest = json.loads((ck / "MANIFEST.json").read_text())
+    assert "gwenlake-ranks/rank-00001.json" in manifest["files"] and "state.safetensors" in manifest["files"]
+    rank1 = json.loads((ck / "gwenlake-ranks" / "rank-00001.json").read_text())
+    assert rank1["data_position"] == {"epoch": 3, "next_global_batch": 24, "rank": 1, "world_size": 2}
+    state0 = json.loads((ck / "gwenlake-run-state.json").read_text())
+    assert state0["world_size"] == 2 and state0["rng"] != rank1["rng"]  # each rank's own RNG
+    assert not list(run_dir.glob("output/*"))  # nothing committed
+
+    second = launch(project, "+job=t", env={"GWL_TEST_NOTE": "1"})
+    assert [r[0] for r in second] == [0, 0], second[0][2][-3000:] + second[1][2][-3000:]
+    assert all("resuming from step 24" in so + se for _, so, se in second)
+    version = version_in(second[0][1])
+    resumed = model_of(project, version)
+    # rank 0's output is the one committed; rank 1 wrote its own into a scratch folder, never the commit
+    assert project.git("show", f"{version}:t/model/note.txt") == "rank 0 of 2"
+    assert resumed.keys() == reference.keys()
+    for k in reference:
+        assert (resumed[k] == reference[k]).all(), k
+    # The data: 200 rows in batches of 16 = 13 batches an epoch, 6 a rank; 60 steps = 10 epochs.
+    info = json.loads((run_dir / "run.json").read_text())
+    assert [s["world_size"] for s in info["starts"]] == [2, 2]
+
+
+def test_a_rank_that_dies_does_not_hang_the_others(project):
+    res = launch(project, "+job=t", env={"GWL_TEST_BAD": "raise"}, timeout=120)
+    assert all(rc != 0 for rc, _, _ in res), [r[0] for r in res]
+    assert "boom at step 5" in "".join(so + se for _, so, se in res)
+
+
+def test_epochs_run_refuses_another_number_of_ranks(project):
+    first = project.run("+job=t", "job.target=trainer.py:fit_epochs", env={"GWL_TEST_SIGTERM_AT": "15"})
+    assert first.returncode == 75, first.stderr[-2000:]
+    res = launch(project, "+job=t", "job.target=trainer.py:fit_epochs")
+    assert [rc for rc, _, _ in res] == [2, 2]
+    text = "".join(so + se for _, so, se in res)
+    assert "written by 1 rank(s) and this job has 2" in text and "job.steps" in text
+    assert "model t.model version" not in text
+    again = project.run("+job=t", "job.target=trainer.py:fit_epochs", check=0)  # one task again: resumes
+    assert "resuming from step 16" in again.stdout + again.stderr

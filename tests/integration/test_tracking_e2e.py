@@ -1,0 +1,206 @@
+"""Tests of gwenlake_hpc.stores.tracking against a real MLflow: a SQLite store and a real server.
+
+The server (tests/helpers/mlflow_server.py) is started once for the module; the outage tests kill it
+(SIGKILL of its process group) and start it again on the same port and backend.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from gwenlake_hpc.stores.tracking import (
+    ATTACH_COUNT_TAG,
+    PENDING_STATUS_FILE,
+    Tracker,
+    default_uri,
+    sync,
+)
+
+from helpers.mlflow_server import MlflowServer, postgres_available, serve
+from helpers.tracking import history, LOGGER, loss, spool_empty, spool_points, tracking_warnings, wait_for
+
+
+# ------------------------------------------------------------------------------------------
+# fixtures and helpers
+
+
+# ------------------------------------------------------------------------------------------
+# URIs, params
+
+
+# ------------------------------------------------------------------------------------------
+# SQLite store
+
+
+# ------------------------------------------------------------------------------------------
+# reattach after eviction
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ["close", "killed"])
+@pytest.mark.parametrize("store", ["sqlite", "server"])
+def test_reattach_after_eviction(
+    store: str, ending: str, sqlite_dir: Path, live: MlflowServer, tmp_path: Path
+) -> None:
+    uri = default_uri(sqlite_dir) if store == "sqlite" else live.uri
+    experiment = f"exp-reattach-{store}-{ending}"
+    state_dir = tmp_path / "tracking"
+    client = MlflowClient(uri)
+
+    first = Tracker(uri, experiment, "r", state_dir, params={"lr": "0.1"},
+                    tags={"slurm.job_id": "1"}, flush_interval_s=0.2, retry_max_s=1)
+    for step in range(1, 31):
+        first.log_metrics({"loss": loss(step)}, step=step)
+    if ending == "close":
+        assert first.close() is True  # evicted: no terminal status
+        assert client.get_run(first.run_id).info.status == "RUNNING"
+    else:
+        assert first.finish("KILLED") is True
+        assert client.get_run(first.run_id).info.status == "KILLED"
+    run_id = first.run_id
+    assert history(client, run_id, "loss") == [(s, loss(s)) for s in range(1, 31)]
+
+    # The requeued job resumes from its checkpoint at step 20 and replays 21..30.
+    second = Tracker(uri, experiment, "r", state_dir, params={"lr": "0.1"},
+                     tags={"slurm.job_id": "2"}, flush_interval_s=0.2, retry_max_s=1)
+    assert second.run_id == run_id  # read from state_dir, before any server call
+    for step in range(21, 61):
+        second.log_metrics({"loss": loss(step)}, step=step)
+    assert second.wait_attached(30)
+    run = client.get_run(run_id)
+    assert run.info.status == "RUNNING"
+    assert run.data.tags[ATTACH_COUNT_TAG] == "1"
+    assert run.data.tags["slurm.job_id"] == "2"
+    assert second.finish("FINISHED") is True
+
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"lr": "0.1"}
+    assert history(client, run_id, "loss") == [(s, loss(s)) for s in range(1, 61)]
+    experiment_id = client.get_experiment_by_name(experiment).experiment_id
+    assert [r.info.run_id for r in client.search_runs([experiment_id])] == [run_id]
+
+
+# ------------------------------------------------------------------------------------------
+# outages of a real server
+
+
+@pytest.mark.slow
+def test_server_outage_spools_then_delivers_once(
+    live: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    state_dir = tmp_path / "tracking"
+    client = MlflowClient(live.uri)
+    tracker = Tracker(live.uri, "exp-outage", "r", state_dir, flush_interval_s=0.2,
+                      retry_max_s=0.5)
+    for step in range(1, 51):
+        tracker.log_metrics({"loss": loss(step)}, step=step)
+    assert tracker.wait_attached(30)
+    run_id = tracker.run_id
+    wait_for(lambda: len(client.get_metric_history(run_id, "loss")) == 50, what="50 points")
+
+    live.stop(kill=True)
+    started = time.perf_counter()
+    for step in range(51, 251):
+        tracker.log_metrics({"loss": loss(step)}, step=step)
+    assert time.perf_counter() - started < 0.5  # the training loop does not wait
+    # On disk while the server is down (the spool still holds 1..50 too: its writer is alive).
+    wait_for(lambda: len([p for p in spool_points(state_dir) if p["step"] > 50]) == 200, what="200 spooled points")
+    assert [p["step"] for p in spool_points(state_dir) if p["step"] > 50] == list(range(51, 251))
+    assert [p for p in spool_points(state_dir) if p["step"] > 50][0] == {
+        "key": "loss", "value": loss(51), "step": 51, "timestamp": pytest.approx(
+            time.time() * 1000, abs=60_000)}
+    time.sleep(1.0)  # several failed reconnections: still one warning
+    warnings = tracking_warnings(caplog)
+    assert len(warnings) == 1 and "not answering" in warnings[0].getMessage()
+
+    live.start()
+    for step in range(251, 301):
+        tracker.log_metrics({"loss": loss(step)}, step=step)
+    assert tracker.finish("FINISHED", timeout_s=30) is True
+
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert history(client, run_id, "loss") == [(s, loss(s)) for s in range(1, 301)]
+    assert len(tracking_warnings(caplog)) == 1
+    back = [r.getMessage() for r in caplog.records if "server back, delivered" in r.getMessage()]
+    assert len(back) == 1 and int(back[0].rsplit("delivered ", 1)[1].split()[0]) >= 200
+    assert spool_empty(state_dir)
+
+
+@pytest.mark.slow
+def test_finish_while_server_down_then_sync(
+    live: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run_dir = tmp_path / "run"
+    state_dir = run_dir / "tracking"
+    client = MlflowClient(live.uri)
+    tracker = Tracker(live.uri, "exp-finish-down", "r", state_dir, params={"p": "1"},
+                      flush_interval_s=0.2, retry_max_s=0.5)
+    for step in range(1, 21):
+        tracker.log_metrics({"loss": loss(step)}, step=step)
+    assert tracker.wait_attached(30)
+    run_id = tracker.run_id
+    wait_for(lambda: len(client.get_metric_history(run_id, "loss")) == 20, what="20 points")
+
+    live.stop(kill=True)
+    for step in range(21, 41):
+        tracker.log_metrics({"loss": loss(step)}, step=step)
+    started = time.monotonic()
+    assert tracker.finish("FINISHED", timeout_s=3) is False
+    assert time.monotonic() - started < 3 + 2
+    assert tracker.finish("FINISHED") is False  # idempotent
+    assert json.loads((state_dir / PENDING_STATUS_FILE).read_text())["status"] == "FINISHED"
+    assert [p["step"] for p in spool_points(state_dir) if p["step"] > 20] == list(range(21, 41))
+    hint = f"python -m gwenlake_hpc tracking sync {run_dir}"
+    assert any(hint in r.getMessage() for r in tracking_warnings(caplog))
+
+    live.start()
+    run = client.get_run(run_id)
+    assert run.info.status == "RUNNING"  # never FINISHED with points missing
+    assert len(client.get_metric_history(run_id, "loss")) == 20
+
+    assert sync(state_dir, timeout_s=30) == {
+        "run_id": run_id, "delivered": 20, "remaining": 0, "status": "FINISHED"}
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"p": "1"}
+    assert history(client, run_id, "loss") == [(s, loss(s)) for s in range(1, 41)]
+    assert spool_empty(state_dir)
+    assert not (state_dir / PENDING_STATUS_FILE).exists()
+    # Nothing left: a second sync does nothing.
+    assert sync(state_dir, timeout_s=5) == {
+        "run_id": run_id, "delivered": 0, "remaining": 0, "status": None}
+
+
+@pytest.mark.skipif(
+    not postgres_available(), reason="needs PostgreSQL on 127.0.0.1:5432 and a driver (psycopg2)"
+)
+@pytest.mark.slow
+def test_postgresql_store_and_server(tmp_path: Path) -> None:
+    # A server on a fresh PostgreSQL database, then a Tracker on that database directly.
+    for server in serve(tmp_path / "pg-server", backend="postgresql"):
+        db_uri = server.backend_uri
+        for uri, experiment in ((server.uri, "exp-pg-server"), (db_uri, "exp-pg-direct")):
+            state_dir = tmp_path / experiment / "tracking"
+            first = Tracker(uri, experiment, "r", state_dir, params={"lr": "0.1"},
+                            flush_interval_s=0.2)
+            for step in range(1, 31):
+                first.log_metrics({"loss": loss(step)}, step=step)
+            assert first.close() is True
+            second = Tracker(uri, experiment, "r", state_dir, flush_interval_s=0.2)
+            for step in range(21, 61):
+                second.log_metrics({"loss": loss(step)}, step=step)
+            assert second.finish("FINISHED") is True
+            assert second.run_id == first.run_id
+            client = MlflowClient(uri)
+            run = client.get_run(second.run_id)
+            assert run.info.status == "FINISHED" and run.data.params == {"lr": "0.1"}
+            assert history(client, run.info.run_id, "loss") == [(s, loss(s)) for s in range(1, 61)]

@@ -1,0 +1,70 @@
+"""RL rollouts as MLflow traces: checked messages, one trace per episode linked to the job's run, exactly once."""
+
+from __future__ import annotations
+
+import pytest
+from mlflow import MlflowClient
+
+from gwenlake_hpc.stores.tracking.rollouts import ROLLOUT_TAG, deliver_rollout, rollout_entry, validate_messages
+from helpers.rollouts import CHAT
+
+
+@pytest.mark.parametrize("messages, needle", [
+    ([], "non-empty list"),
+    ("hello", "non-empty list"),
+    ([{"role": "bot", "content": "x"}], "messages[0]: role 'bot' is not one of"),
+    ([{"role": "user"}], "messages[0]: content is missing"),
+    ([{"role": "user", "content": 3}], "content must be a string"),
+    ([{"role": "user", "content": "x", "tool_calls": []}], "only an assistant message has tool_calls"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"id": "a"}]}], "messages[0].tool_calls[0]"),
+    ([{"role": "tool", "tool_call_id": "zz", "content": "x"}], "needs the tool_call_id of an earlier"),
+    ([{"role": "user", "content": "x", "extra": float("nan")}], "not JSON data"),
+])
+def test_bad_messages_are_refused_naming_the_message(messages, needle):
+    with pytest.raises(ValueError) as err:
+        validate_messages(messages)
+    assert needle in str(err.value)
+
+
+def test_bad_reward_metrics_and_ids_are_refused():
+    for kwargs, needle in (({"reward": float("nan")}, "reward=nan is not finite"),
+                           ({"metrics": {"m": "x"}}, "m='x' is not a number"),
+                           ({"rollout_id": "XYZ"}, "32 lowercase hex")):
+        args = {"reward": 1.0, "step": 1, "task_id": None, "metrics": None, "rollout_id": None, **kwargs}
+        with pytest.raises(ValueError, match=needle):
+            rollout_entry(CHAT, **args)
+    entry = rollout_entry(CHAT, reward=1, step=3, task_id=7, metrics={"turns": 2}, rollout_id=None)["rollout"]
+    assert len(entry["id"]) == 32 and entry["task_id"] == "7" and entry["reward"] == 1.0
+
+
+def test_a_rollout_delivered_twice_is_one_trace_with_its_spans(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("e")
+    run = client.create_run(exp)
+    entry = rollout_entry(CHAT, reward=0.5, step=4, task_id="t1", metrics=None, rollout_id="ab" * 16)["rollout"]
+    assert deliver_rollout(client, uri, exp, run.info.run_id, entry) is True
+    assert deliver_rollout(client, uri, exp, run.info.run_id, entry) is False  # after a kill: not twice
+    traces = client.search_traces(locations=[exp], run_id=run.info.run_id)
+    assert len(traces) == 1
+    t = traces[0]
+    assert t.info.tags[ROLLOUT_TAG] == "ab" * 16 and t.info.tags["gwenlake.task_id"] == "t1"
+    assert [s.name for s in t.data.spans] == ["rollout", "model turn 1", "tool calc", "model turn 2"]
+    assert t.data.spans[0].outputs["reward"] == 0.5 and t.data.spans[2].outputs["content"] == "4"
+
+
+def test_a_job_logs_its_rollouts_as_traces_of_its_run(observed_job):
+    project, done = observed_job.project, observed_job.proc
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    client = MlflowClient(tracking_uri=f"sqlite:///{project.root / 'runs' / 'mlflow.db'}")
+    run_dir = next((project.root / "runs" / "t.model").iterdir())
+    run = client.get_run((run_dir / "tracking" / "run_id").read_text().strip())
+    traces = client.search_traces(locations=[run.info.experiment_id], run_id=run.info.run_id)
+    by_step = {int(t.info.tags["gwenlake.step"]): t for t in traces}
+    assert sorted(by_step) == [10, 20, 30]
+    t = by_step[20]
+    assert t.info.tags[ROLLOUT_TAG] == f"{20:032x}" and t.info.tags["gwenlake.task_id"] == "task-20"
+    assert [s.name for s in t.data.spans] == ["rollout", "model turn 1", "tool get_weather", "model turn 2"]
+    assert t.data.spans[0].outputs["reward"] == 0.2 and t.data.spans[0].outputs["metrics"] == {"turns": 2.0}
+
+
