@@ -49,6 +49,25 @@ def layer_of(module: str) -> str | None:
     return None
 
 
+def import_statements(name: str, path) -> list[tuple[str, str | None]]:
+    """``(target module, imported name or None)`` for every import statement of module ``name`` (module level, in
+    functions, under ``if TYPE_CHECKING:``), relative imports resolved against its package."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[str, str | None]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found += [(target, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, None) for a in node.names]
+    return found
+
+
 def imports() -> dict[str, set[str]]:
     """{module: gwenlake_hpc modules it imports}, every import statement counted (module level, in functions,
     under ``if TYPE_CHECKING:``), relative imports resolved, ``from X import name`` counted as X.name when that
@@ -56,20 +75,8 @@ def imports() -> dict[str, set[str]]:
     modules = {module_name(p): p for p in PKG.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[:len(base) - (node.level - 1)]
-                    target = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    target = node.module or ""
-                for alias in node.names:
-                    deps.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in modules else target)
-            elif isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names)
+        deps = {f"{target}.{what}" if what and f"{target}.{what}" in modules else target
+                for target, what in import_statements(name, path)}
         graph[name] = {d for d in deps if d in modules and d != name}
     return graph
 
@@ -187,26 +194,16 @@ def resolve_package_imports(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     for name, path in modules.items():
         if name == ROOT:
             continue
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[:len(base) - (node.level - 1)]
-                    target = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    target = node.module or ""
-                for alias in node.names:
-                    full = f"{target}.{alias.name}"
-                    if full in modules:
-                        deps.add(full)
-                    elif target in packages and name not in packages:
-                        deps.add(defining_module(target, alias.name, modules) or target)
-                    else:
-                        deps.add(target)
-            elif isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names)
+        for target, what in import_statements(name, path):
+            if what is None:
+                deps.add(target)
+            elif f"{target}.{what}" in modules:
+                deps.add(f"{target}.{what}")
+            elif target in packages and name not in packages:
+                deps.add(defining_module(target, what, modules) or target)
+            else:
+                deps.add(target)
         out[name] = {d for d in deps if d in modules and d != name and d != ROOT}
     return out
 
