@@ -21,7 +21,7 @@ from ..stores.checkpoints.writer import async_default
 from .distributed import Dist
 from ..base.errors import ConfigError
 from .progress import Progress
-from .rng import rng_state, set_rng_state, shield_workers
+from .rng import rng_state, seed_everything, set_rng_state, shield_workers
 from .run_checkpoints import CheckpointWriter, RunCheckpoints  # noqa: F401 (CheckpointWriter re-exported)
 from .run_metrics import RunMetrics
 from .signals import StopRequest
@@ -433,7 +433,3 @@ class Run(RunMetrics, RunCheckpoints):
             why = signal.Signals(signum).name if signum > 0 else "a stop request"
             stop.request(f"{why} on rank {rank}")
         return bool(agreed)
-
-# the RNG's helpers, re-exported where users and the job found them (the current run's helpers are in
-# .current, which imports this module: gwenlake_hpc.current_run, gwenlake_hpc.log_metrics...)
-from .rng import ShieldedWorkerInit, seed_everything  # noqa: E402,F401
