@@ -1,12 +1,21 @@
-"""Small durable-file helpers shared by the run directory's writers."""
+"""The one durable write, and the small file helpers around it.
+
+Every place that replaces a file others read (checkpoints, datasets, run records, tracking state, model files)
+goes through :func:`atomic_file` / :func:`write_atomic` (bytes in hand) or :func:`publish` (a temporary file a
+library wrote, such as h5py or SQLite): the data goes to a temporary name *beside* the target (same file system,
+so the rename is atomic), is fsynced, renamed over the target, and the directory is fsynced so that the rename
+survives a crash of the node. A place that needs less says why in a comment where it writes.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
 def umask() -> int:
@@ -60,26 +69,65 @@ def fsync_dir(path: str | os.PathLike, *, best_effort: bool = False) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str) -> Path:
-    """Write ``data`` to ``path`` through a temporary file in the same directory, fsync, rename, fsync dir.
+def publish(tmp: str | os.PathLike, path: str | os.PathLike, *, best_effort_dir: bool = False) -> Path:
+    """Make the closed file ``tmp`` (beside ``path``) durable and put it in place: fsync it, rename it over
+    ``path``, fsync the directory.
 
-    A reader sees the old content or the new one, never a mix; a kill leaves at most a stray ``.tmp`` file.
+    ``best_effort_dir`` tolerates a file system that cannot fsync a directory (see :func:`fsync_dir`).
+
+    Raises:
+        OSError: ``tmp`` cannot be synced or renamed (``tmp`` is then left for the caller to remove).
     """
     path = Path(path)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent, best_effort=best_effort_dir)
+    return path
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "wb", *, best_effort_dir: bool = False) -> Iterator[IO[Any]]:
+    """Open a temporary file beside ``path`` for writing; on a clean exit flush, fsync, rename it over ``path``
+    and fsync the directory. On an exception the temporary file is removed and ``path`` is untouched.
+
+    ``mode`` is ``"wb"`` or ``"w"`` (text, UTF-8). The temporary file gets the mode a plain ``open()`` gives.
+    A reader sees the old content or the new one, never a mix; a kill leaves at most a stray ``.<name>.*.tmp``.
+
+    Raises:
+        ValueError: ``mode`` is not a write mode above.
+        OSError: the folder cannot be made, or the file written, synced or renamed.
+    """
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_file: mode {mode!r}; use 'wb' or 'w'")
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    raw = data.encode() if isinstance(data, str) else data
     fd, tmp = mkstemp(path.parent, prefix=f".{path.name}.")
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(raw)
+        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as fh:
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
-    return path
+    fsync_dir(path.parent, best_effort=best_effort_dir)
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str) -> Path:
+    """Write ``data`` to ``path`` durably through :func:`atomic_file` (str as UTF-8). Returns ``path``.
+
+    Raises:
+        OSError: as :func:`atomic_file`.
+    """
+    raw = data.encode() if isinstance(data, str) else data
+    with atomic_file(path) as fh:
+        fh.write(raw)
+    return Path(path)
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
