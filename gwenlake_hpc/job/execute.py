@@ -323,7 +323,7 @@ def _complete_pending_registrations(state_dir: Path, tracking_uri: str) -> None:
     committed but could not register."""
     from ..stores.registry import PENDING_REGISTRATIONS
     from ..stores.tracking import sync
-    from ..stores.tracking.spool import segment_paths
+    from ..stores.tracking.delivery.spool import segment_paths
 
     if not ((state_dir / PENDING_REGISTRATIONS).is_file() or (state_dir / "pending_status").is_file()
             or segment_paths(state_dir)):

@@ -26,7 +26,7 @@ from ..runtime.rng import seed_everything
 from ..runtime.run import Run
 from ..runtime.signals import StopRequest
 from ..stores.tracking import user_mlflow
-from ..stores.tracking.tracker import NullTracker
+from ..stores.tracking.null_tracker import NullTracker
 
 
 def run_local(tf: TrainFunction, config: Any = None, *, steps: int | None = None, epochs: int | None = None,

@@ -9,7 +9,7 @@ import pytest
 from gwenlake_hpc.stores.tracking import (
     SPOOL_DIR,
 )
-from gwenlake_hpc.stores.tracking.spool import points_of, read_all
+from gwenlake_hpc.stores.tracking.delivery.spool import points_of, read_all
 from mlflow import MlflowClient
 
 from helpers.concurrency import wait_until

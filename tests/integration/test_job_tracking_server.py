@@ -8,7 +8,7 @@ import uuid
 import pytest
 from mlflow import MlflowClient
 
-from gwenlake_hpc.stores.tracking.spool import points_of, read_all
+from gwenlake_hpc.stores.tracking.delivery.spool import points_of, read_all
 from helpers.mlflow_server import MlflowServer, drop_postgres_database, postgres_available, postgres_backend, sqlite_backend
 
 
@@ -160,7 +160,7 @@ def test_a_rerun_of_a_finished_job_delivers_what_its_end_left(project):
     FINISHED status wait in the run directory. Rerunning the same command delivers them, like tracking sync."""
     import json
 
-    from gwenlake_hpc.stores.tracking.spool import SpoolWriter, encode
+    from gwenlake_hpc.stores.tracking.delivery.spool import SpoolWriter, encode
 
     done = project.run("+job=t", "job.steps=20", check=0)
     run_dir = next((project.root / "runs" / "t.model").iterdir())

@@ -16,7 +16,7 @@ import pytest
 from mlflow import MlflowClient
 
 from gwenlake_hpc.stores.tracking import Tracker, default_uri
-from gwenlake_hpc.stores.tracking.spool import segment_paths
+from gwenlake_hpc.stores.tracking.delivery.spool import segment_paths
 from helpers.tracking_delivery import alive, child_env, steps_of, TRAINING, wait_for
 
 

@@ -281,7 +281,7 @@ def test_fit_local_and_fit_submit_refuse_bad_values_as_the_command_line_does(tra
 def test_the_run_and_fit_local_apply_the_same_rules(tmp_path):
     from gwenlake_hpc.runtime.run import Run
     from gwenlake_hpc.runtime.signals import StopRequest
-    from gwenlake_hpc.stores.tracking.tracker import NullTracker
+    from gwenlake_hpc.stores.tracking.null_tracker import NullTracker
 
     common = dict(run_dir=tmp_path / "r", run_key="k", epochs=None, seed=0, tracker=NullTracker(),
                   stop=StopRequest(), progress="off")

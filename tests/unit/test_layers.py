@@ -117,6 +117,20 @@ def test_prefix_rules(layer, forbidden):
     assert {m: d for m, d in offenders.items() if d} == {}
 
 
+TRACKING = "gwenlake_hpc.stores.tracking"
+
+
+def test_the_tracking_delivery_never_imports_the_user_mlflow_side_nor_the_tracker():
+    """tracking/delivery/ gets the job's points into MLflow; the training function's own MLflow calls
+    (tracking/user_mlflow/) and the Run's Tracker write to it, never the other way round."""
+    graph = imports()
+    offenders = {m: sorted(d for d in deps if d.startswith(f"{TRACKING}.user_mlflow")
+                           or d in (f"{TRACKING}.tracker", f"{TRACKING}.null_tracker"))
+                 for m, deps in graph.items() if m.startswith(f"{TRACKING}.delivery")}
+    assert any(m.startswith(f"{TRACKING}.delivery.") for m in graph)
+    assert {m: d for m, d in offenders.items() if d} == {}
+
+
 def test_the_plan_imports_neither_the_job_execution_nor_the_run():
     """config -> plan -> launcher -> job -> Run: the launchers plan without the job's execution or torch's Run."""
     deps = imports()["gwenlake_hpc.job.plan"]

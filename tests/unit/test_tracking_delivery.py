@@ -17,9 +17,9 @@ import pytest
 from mlflow import MlflowClient
 
 from gwenlake_hpc.stores.tracking import Tracker, default_uri
-from gwenlake_hpc.stores.tracking import spool as spool_mod
-from gwenlake_hpc.stores.tracking import delivery_process
-from gwenlake_hpc.stores.tracking.spool import SpoolReader, SpoolWriter, encode, points_of, read_all, segment_paths
+from gwenlake_hpc.stores.tracking.delivery import delivery_process
+from gwenlake_hpc.stores.tracking.delivery import spool as spool_mod
+from gwenlake_hpc.stores.tracking.delivery.spool import SpoolReader, SpoolWriter, encode, points_of, read_all, segment_paths
 from helpers.tracking_delivery import alive, child_env, steps_of, TRAINING, wait_for
 
 

@@ -128,8 +128,9 @@ def test_without_entry_points_the_store_is_registered_once_mlflow_is_imported(tm
     from mlflow.exceptions import MlflowException
 
     from gwenlake_hpc.stores.tracking import user_mlflow
+    from gwenlake_hpc.stores.tracking.user_mlflow import fluent
 
-    monkeypatch.setattr(user_mlflow, "_plugins_installed", lambda: False)
+    monkeypatch.setattr(fluent, "_plugins_installed", lambda: False)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     state = tmp_path / "tracking"
     state.mkdir()

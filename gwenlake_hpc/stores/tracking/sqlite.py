@@ -20,7 +20,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from ...base.errors import ConfigError
-from ...base.fsutil import fsync_dir
+from ...base.fsutil import publish
 
 logger = logging.getLogger("gwenlake_hpc.tracking")
 
@@ -94,17 +94,13 @@ def _store(uri: str, artifact_root: Path):
 
 
 def _create(path: Path) -> None:
+    """Migrate a new store at a temporary path beside ``path`` and publish it (SQLite writes the file itself, so
+    :func:`~gwenlake_hpc.base.fsutil.publish` and not ``atomic_file``). Called under the store's lock."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
         store = _store(sqlite_uri(tmp), path.parent / "mlartifacts")
-        store.engine.dispose()
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-        fsync_dir(path.parent)
+        store.engine.dispose()  # every connection closed: the migrated store is a closed file to publish
+        publish(tmp, path)
         logger.info("tracking: created the MLflow store %s", path)
     finally:
         for leftover in (tmp, *tmp.parent.glob(tmp.name + "-*")):  # the file, or SQLite's -journal/-wal/-shm

@@ -5,9 +5,9 @@ with exactly one point per logged step per metric, and the tracking server being
 never crash or stall the training loop. The training process therefore never talks to MLflow (nor imports it):
 
 * :meth:`Tracker.log_metrics` appends to a list in memory. A small thread writes that list to the spool (a
-  file in the run's state folder, see :mod:`.spool`) every ``flush_interval_s`` or every 1000 points, and
+  file in the run's state folder, see :mod:`.delivery.spool`) every ``flush_interval_s`` or every 1000 points, and
   :meth:`Tracker.make_durable` writes and fsyncs it at once (the Run calls it before sealing a checkpoint).
-* A delivery process, started by the Tracker (:mod:`.delivery`), imports MLflow, creates or reattaches to the
+* A delivery process, started by the Tracker (:mod:`.delivery.deliverer`), imports MLflow, creates or reattaches to the
   run, and delivers the spool, filtered against the highest step MLflow holds for each key so that every point
   arrives exactly once, however often either process is killed.
 * At the end, :meth:`Tracker.finish` closes the spool and asks the delivery process to deliver everything, then
@@ -23,20 +23,18 @@ import json
 import logging
 import math
 import os
-import shutil
 import threading
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable
 
 from ...base.errors import ConfigError
 from ...base.fsutil import write_atomic
-from .delivery_process import DeliveryProcess
-from .session import MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE_LENGTH, MAX_TAG_VALUE_LENGTH
-from .spool import Entry, SpoolReader, SpoolWriter, encode
-from .state import TERMINAL_STATUSES, TRACKING_JSON, read_run_id, sync_hint, write_pending_status
+from .delivery.delivery_process import DeliveryProcess
+from .delivery.session import MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE_LENGTH, MAX_TAG_VALUE_LENGTH
+from .delivery.spool import Entry, SpoolReader, SpoolWriter, encode, stage_artifact
+from .delivery.state import TERMINAL_STATUSES, TRACKING_JSON, read_run_id, sync_hint, write_pending_status
 from .uri import redact_uri, validate_uri
 
 logger = logging.getLogger("gwenlake_hpc.tracking")
@@ -56,22 +54,6 @@ def hook_reference(fn: Callable[..., Any]) -> str:
     if not module or not qualname or "<" in qualname or "." in qualname:
         raise ValueError(f"tracking hook {fn!r}: give a module-level function (the delivery process imports it)")
     return f"{module}:{qualname}"
-
-
-def stage_artifact(state_dir: Path, local_file: str | os.PathLike[str], artifact_path: str | None) -> dict[str, Any]:
-    """Copy ``local_file`` to ``<state_dir>/artifacts/<uuid>/<its name>`` (written under a temporary name, then
-    renamed: the delivery never sees half a file) and return its spool entry ``{"artifact": {"file", "path"}}``.
-
-    Raises:
-        OSError: the file cannot be read or the copy written.
-    """
-    src = Path(local_file)
-    folder = Path(state_dir) / "artifacts" / uuid.uuid4().hex
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".partial-{src.name}"
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, folder / src.name)
-    return {"artifact": {"file": str(folder / src.name), "path": artifact_path or ""}}
 
 
 def flatten(d: Mapping[Any, Any], prefix: str = "") -> dict[str, str]:
@@ -106,7 +88,7 @@ class Tracker:
         experiment: MLflow experiment name; created if missing.
         run_name: name of the run when it is created (a reattached run keeps its name).
         state_dir: folder on the shared filesystem, normally ``<run_dir>/tracking``; created. Holds
-            ``tracking.json``, ``run_id``, ``spool/`` and ``pending_status`` (see :mod:`.state`).
+            ``tracking.json``, ``run_id``, ``spool/`` and ``pending_status`` (see :mod:`.delivery.state`).
         params: run params, logged once when the run is created (MLflow params are immutable; on reattach,
             params the run lacks are added and changed ones are kept, with a warning). Use :func:`flatten` for
             a nested config. Values longer than 6000 characters are cut.
@@ -349,9 +331,10 @@ class Tracker:
             status: ``"FINISHED"``, ``"KILLED"`` or ``"FAILED"``.
             timeout_s: seconds to wait for the delivery (plus up to 1 s for its answer).
             after_finish: a module-level function called as ``function(state_dir, uri)`` in the delivery
-                process (imported there by :func:`hook_reference`) once every point is delivered and the run marked (e.g. the registration of the committed
-                version: MLflow is loaded there already, the training does not load it). Within ``timeout_s``;
-                its failures are logged as warnings and do not change the result.
+                process (imported there by :func:`hook_reference`) once every point is delivered and the run
+                marked (e.g. the registration of the committed version: MLflow is loaded there already, the
+                training does not load it). Within ``timeout_s``; its failures are logged as warnings and do not
+                change the result.
 
         Returns:
             True when every point was delivered and the run terminated. False otherwise: the spool keeps the
@@ -372,7 +355,7 @@ class Tracker:
         """End without a terminal status (e.g. on eviction); the run stays RUNNING.
 
         The delivery process delivers what is waiting for up to ``timeout_s`` seconds; what is left stays in
-        the spool for the next start or :func:`.sync.sync`. Returns True if everything was delivered.
+        the spool for the next start or :func:`.delivery.sync.sync`. Returns True if everything was delivered.
         Idempotent.
         """
         return self._shutdown("close", None, timeout_s)
@@ -474,61 +457,3 @@ class Tracker:
             logger.warning("tracking: %d point(s) may not be delivered to MLflow at %s yet; they wait in %s; the "
                            "next start or `%s` will deliver them", waiting, redact_uri(self._uri),
                            self._state_dir / "spool", sync_hint(self._state_dir))
-
-
-class NullTracker:
-    """A tracker that does nothing (``tracking=False``): touches no store, no file, no process.
-
-    Same interface as :class:`Tracker`; ``run_id`` is None; ``finish`` and ``close`` return
-    True (nothing was left undelivered); ``wait_attached`` returns False.
-    """
-
-    run_id: str | None = None
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
-        """Do nothing."""
-
-    def set_tags(self, tags: Mapping[str, str]) -> None:
-        """Do nothing."""
-
-    def log_rollout(self, entry: Mapping[str, Any]) -> None:
-        """Do nothing."""
-
-    def rename_tags(self, renames: Mapping[str, str]) -> None:
-        """Do nothing."""
-
-    def log_inputs(self, inputs: Sequence[Mapping[str, Any]]) -> None:
-        """Do nothing."""
-
-    def log_params(self, params: Mapping[str, Any]) -> None:
-        """Do nothing."""
-
-    def log_artifact(self, local_file: str | os.PathLike[str], artifact_path: str | None = None) -> None:
-        """Do nothing."""
-
-    def wait_attached(self, timeout_s: float) -> bool:
-        """Return False at once: there is no run."""
-        return False
-
-    def flush(self, timeout_s: float = 5.0) -> bool:
-        """Return True: nothing is waiting."""
-        return True
-
-    def make_durable(self, timeout_s: float = 5.0) -> bool:
-        """Return True: nothing is waiting."""
-        return True
-
-    def finish(self, status: str, timeout_s: float = 30.0,
-               after_finish: Callable[[Path, str], Any] | None = None) -> bool:
-        """Check ``status`` like :meth:`Tracker.finish` and return True (``after_finish`` is not called).
-
-        Raises:
-            ConfigError: unknown ``status``.
-        """
-        if str(status).upper() not in TERMINAL_STATUSES:
-            raise ConfigError(f"tracking status must be one of {TERMINAL_STATUSES}, got {status!r}")
-        return True
-
-    def close(self, timeout_s: float = 5.0) -> bool:
-        """Return True."""
-        return True

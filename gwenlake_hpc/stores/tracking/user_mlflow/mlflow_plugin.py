@@ -1,5 +1,5 @@
 """MLflow plug-ins of the ``gwenlake-job:`` schemes: the job's run as seen by MLflow's fluent API inside a training
-function (see :mod:`.user_mlflow`, which sets the URI, and :mod:`.user_sink`, where the calls go). Loaded by MLflow
+function (see :mod:`.fluent`, which sets the URI, and :mod:`.sink`, where the calls go). Loaded by MLflow
 through the entry points ``mlflow.tracking_store`` and ``mlflow.artifact_repository`` declared in
 ``pyproject.toml``, so only a process whose code calls MLflow imports it.
 """
@@ -14,7 +14,7 @@ from typing import Any
 from mlflow.store.artifact.artifact_repo import ArtifactRepository
 from mlflow.store.tracking.abstract_store import AbstractStore
 
-from .user_sink import ARTIFACT_SCHEME, PENDING_RUN_ID, SCHEME, sink, warn_once
+from .sink import ARTIFACT_SCHEME, PENDING_RUN_ID, SCHEME, sink, warn_once
 
 
 def _state_dir_of(uri: str, scheme: str) -> str:

@@ -12,6 +12,8 @@ in ms since the epoch; NaN and Infinity as Python's json writes them) or tags ``
 - A reader (:class:`SpoolReader`, in the one process that delivers) reads only whole lines, remembers how far
   it delivered, and removes a segment once everything in it is delivered and no writer holds its lock. A line
   left unterminated by a killed writer is counted as malformed and dropped with its segment.
+- An artifact entry names a copy of the file under ``<state_dir>/artifacts/<id>/`` (:func:`stage_artifact`),
+  which the delivery uploads and then removes.
 - ``<state_dir>/spool.jsonl``, the single spool file of versions before the delivery process, is read first.
 """
 
@@ -24,12 +26,13 @@ import logging
 import math
 import os
 import re
+import shutil
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
-from ...base.fsutil import fsync_dir
+from ....base.fsutil import fsync_dir, publish
 
 logger = logging.getLogger("gwenlake_hpc.tracking")
 
@@ -89,7 +92,7 @@ def decode(raw: bytes) -> Entry | None:
             if not isinstance(tags, dict):
                 return None
             return {"tags": {str(k): str(v) for k, v in tags.items()}}
-        if "params" in d:  # MLflow's own log_param(s) inside the training function (tracking/user_mlflow.py)
+        if "params" in d:  # MLflow's own log_param(s) inside the training function (tracking/user_mlflow/)
             params = d["params"]
             return {"params": {str(k): str(v) for k, v in params.items()}} if isinstance(params, dict) else None
         if "artifact" in d:  # a file staged in the state folder, uploaded by the delivery
@@ -117,7 +120,7 @@ def decode(raw: bytes) -> Entry | None:
 
 
 def _is_input(entry: object) -> bool:
-    """A dataset input as :meth:`.tracker.Tracker.log_inputs` records it."""
+    """A dataset input as :meth:`gwenlake_hpc.stores.tracking.tracker.Tracker.log_inputs` records it."""
     if not isinstance(entry, dict) or not isinstance(entry.get("dataset"), dict):
         return False
     dataset, tags = entry["dataset"], entry.get("tags", {})
@@ -160,6 +163,31 @@ def segment_paths(state_dir: Path) -> list[Path]:
 
 # --------------------------------------------------------------------------------------------
 # writer
+
+
+def stage_artifact(state_dir: Path, local_file: str | os.PathLike[str], artifact_path: str | None) -> dict[str, Any]:
+    """Copy ``local_file`` to ``<state_dir>/artifacts/<uuid>/<its name>`` and return its spool entry
+    ``{"artifact": {"file", "path"}}`` (``path``: the run's artifact folder, "" for its root).
+
+    The copy is written under a temporary name and published (fsynced, renamed, its folders fsynced): the delivery
+    never sees half a file, and the entry, once the spool is made durable, never names a file a crash of the node
+    lost. Called by the Tracker and, in a forked process, by the user-MLflow sink.
+
+    Raises:
+        OSError: the file cannot be read or the copy written (no partial copy is left).
+    """
+    src = Path(local_file)
+    folder = Path(state_dir) / "artifacts" / uuid.uuid4().hex
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".partial-{src.name}"
+    try:
+        shutil.copyfile(src, tmp)
+        final = publish(tmp, folder / src.name)
+        fsync_dir(folder.parent)  # the new <id> folder's own entry
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"artifact": {"file": str(final), "path": artifact_path or ""}}
 
 
 class SpoolWriter:

@@ -36,8 +36,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .uri import redact_uri
-from .user_sink import ARTIFACT_SCHEME, ATTACH_WAIT_S, SCHEME, register, set_off_reason, unregister, warn_once
+from ..uri import redact_uri
+from .sink import ARTIFACT_SCHEME, ATTACH_WAIT_S, SCHEME, register, set_off_reason, unregister, warn_once
 
 logger = logging.getLogger("gwenlake_hpc.tracking")
 

@@ -1,9 +1,9 @@
 """The delivery process as the training sees it: started, woken, started again when it died, asked to end.
 
 :class:`gwenlake_hpc.stores.tracking.tracker.Tracker` owns one :class:`DeliveryProcess`. The process itself
-(``python -m gwenlake_hpc.stores.tracking``, :mod:`.delivery`) imports MLflow and sends the spool; this side only
-speaks the line protocol: one JSON setup line and then operations (``wake``, ``close``, ``finish``) on its
-standard input, events (``log``, ``attached``, ``outage``, ``done``) on its standard output.
+(``python -m gwenlake_hpc.stores.tracking.delivery``, :mod:`.deliverer`) imports MLflow and sends the spool; this
+side only speaks the line protocol: one JSON setup line and then operations (``wake``, ``close``, ``finish``) on
+its standard input, events (``log``, ``attached``, ``outage``, ``done``) on its standard output.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ...base.processes import shield_children
+from ....base.processes import shield_children
 from .session import http_env
 from .state import sync_hint
 
@@ -67,22 +67,22 @@ class DeliveryProcess:
             return self._proc
 
     def start(self) -> None:
-        """Start ``python -m gwenlake_hpc.stores.tracking`` and the thread that reads its events; a failure to start
-        is logged (the points stay in the spool for ``tracking sync``)."""
+        """Start ``python -m gwenlake_hpc.stores.tracking.delivery`` and the thread that reads its events; a failure to
+        start is logged (the points stay in the spool for ``tracking sync``)."""
         self._last_start = time.monotonic()
         env = http_env()
         if env.get("MLFLOW_TRACKING_URI", "").startswith("gwenlake-job:"):  # the training's own, not the store's
             env.pop("MLFLOW_TRACKING_URI")
             env.pop("MLFLOW_RUN_ID", None)
         env.setdefault("OMP_NUM_THREADS", "1")
-        package_root = str(Path(__file__).resolve().parents[3])  # <root>/gwenlake_hpc/stores/tracking/
+        package_root = str(Path(__file__).resolve().parents[4])  # <root>/gwenlake_hpc/stores/tracking/delivery/
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         env["GWENLAKE_DELIVERY_NICE"] = str(DELIVERY_NICE)
         try:
             # A session of its own: a Ctrl-C in the terminal is for the training, which then ends the delivery.
             # Stop signals blocked until it ignores them itself (SLURM signals every process of a job step).
             with shield_children():
-                proc = subprocess.Popen([sys.executable, "-m", "gwenlake_hpc.stores.tracking"],
+                proc = subprocess.Popen([sys.executable, "-m", "gwenlake_hpc.stores.tracking.delivery"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                         start_new_session=True)
             assert proc.stdin is not None

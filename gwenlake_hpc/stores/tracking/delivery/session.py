@@ -1,6 +1,6 @@
 """One conversation with an MLflow tracking store for one run: create or reattach, log points once, params, tags.
 
-Only the delivery process (:mod:`.delivery`) and ``tracking sync`` use it: the training process never imports
+Only the delivery process (:mod:`.deliverer`) and ``tracking sync`` use it: the training process never imports
 MLflow for tracking. Every MLflow call goes through :class:`mlflow.MlflowClient`, never the fluent API
 (``mlflow.start_run`` registers an atexit hook that would mark an evicted run FINISHED).
 """
@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ...base.fsutil import write_atomic
-from .sqlite import ensure_sqlite_store
+from ....base.fsutil import write_atomic
+from ..sqlite import ensure_sqlite_store
 from .state import RUN_ID_FILE
-from .uri import is_sqlite, redact_uri, scrub
+from ..uri import is_sqlite, redact_uri, scrub
 
 logger = logging.getLogger("gwenlake_hpc.tracking")
 
@@ -285,7 +285,7 @@ class RunSession:
         return dict(self.client.get_run(self.rid).data.params)
 
     def log_artifact(self, file: str, artifact_path: str) -> None:
-        """Upload a staged file (:func:`.tracker.stage_artifact`) into the run's ``artifact_path`` folder, then
+        """Upload a staged file (:func:`.spool.stage_artifact`) into the run's ``artifact_path`` folder, then
         remove the copy. A file already gone was uploaded before a kill: nothing to do (uploading the same
         path twice would only overwrite it)."""
         path = Path(file)
@@ -299,7 +299,7 @@ class RunSession:
     def log_rollout(self, rollout: Mapping[str, Any]) -> None:
         """Create the trace of one RL rollout, linked to this run, unless it exists already
         (:func:`gwenlake_hpc.stores.tracking.rollouts.deliver_rollout`)."""
-        from .rollouts import deliver_rollout
+        from ..rollouts import deliver_rollout
 
         if self._run_experiment is None:
             self._run_experiment = self.client.get_run(self.rid).info.experiment_id
@@ -324,9 +324,9 @@ class RunSession:
                 self.client.delete_tag(self.rid, old)
 
     def log_inputs(self, inputs: Sequence[Mapping[str, Any]]) -> None:
-        """Record dataset inputs of the run (see :meth:`.tracker.Tracker.log_inputs`); MLflow keeps one input per
-        dataset name and digest, so a repeated delivery adds nothing. Inputs the server refuses are dropped
-        with a warning."""
+        """Record dataset inputs of the run (see :meth:`gwenlake_hpc.stores.tracking.tracker.Tracker.log_inputs`);
+        MLflow keeps one input per dataset name and digest, so a repeated delivery adds nothing. Inputs the server
+        refuses are dropped with a warning."""
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
         datasets = [DatasetInput(Dataset(name=d["name"], digest=d["digest"], source_type=d["source_type"],

@@ -1,6 +1,6 @@
-"""Where MLflow calls made inside a training function go (see :mod:`.user_mlflow`): the job's Tracker in the
+"""Where MLflow calls made inside a training function go (see :mod:`.fluent`): the job's Tracker in the
 training process, a spool segment of its own in a process forked from it, or nowhere when tracking is off.
-Shared by :mod:`.user_mlflow` (which registers the job's Tracker) and :mod:`.mlflow_plugin` (MLflow's side);
+Shared by :mod:`.fluent` (which registers the job's Tracker) and :mod:`.mlflow_plugin` (MLflow's side);
 imports no MLflow.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .state import read_run_id
+from ..delivery.state import read_run_id
 
 logger = logging.getLogger("gwenlake_hpc.tracking")
 
@@ -29,7 +29,7 @@ ATTACH_WAIT_S = 30.0
 _lock = threading.Lock()
 _sinks: dict[str, tuple[int, Any, Callable[[], int]]] = {}  # state folder -> (pid, tracker, current step)
 _warned: set[str] = set()
-_off_reason = ["tracking is off"]  # the warning's reason, set by user_mlflow.reporting
+_off_reason = ["tracking is off"]  # the warning's reason, set by fluent.reporting
 
 
 def warn_once(key: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
@@ -82,7 +82,7 @@ class _Sink:
             return True
         self.tracker = None  # another process: append to a spool segment of its own
         if self._writer is None or self._writer_pid != os.getpid():
-            from .spool import SpoolWriter
+            from ..delivery.spool import SpoolWriter
 
             self._writer, self._writer_pid, self._marks = SpoolWriter(Path(self.state_dir)), os.getpid(), {}
         return True
@@ -106,7 +106,7 @@ class _Sink:
             if tags:
                 self.tracker.set_tags({t.key: t.value for t in tags})
             return
-        from .spool import encode
+        from ..delivery.spool import encode
 
         entries: list[Any] = []
         for m in metrics:
@@ -121,13 +121,13 @@ class _Sink:
         self._writer.append(encode(entries))
 
     def log_inputs(self, inputs: list[dict[str, Any]]) -> None:
-        """Dataset inputs of the run (the form of :meth:`.tracker.Tracker.log_inputs`)."""
+        """Dataset inputs of the run (the form of :meth:`gwenlake_hpc.stores.tracking.tracker.Tracker.log_inputs`)."""
         if not inputs or not self._resolve():
             return
         if self.tracker is not None:
             self.tracker.log_inputs(inputs)
             return
-        from .spool import encode
+        from ..delivery.spool import encode
 
         self._writer.append(encode([{"inputs": inputs}]))
 
@@ -144,8 +144,7 @@ class _Sink:
         if self.tracker is not None:
             self.tracker.log_artifact(local_file, artifact_path)
             return
-        from .spool import encode
-        from .tracker import stage_artifact
+        from ..delivery.spool import encode, stage_artifact
 
         self._writer.append(encode([stage_artifact(Path(self.state_dir), local_file, artifact_path)]))
 

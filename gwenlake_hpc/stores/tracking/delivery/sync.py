@@ -8,12 +8,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ...base.errors import ConfigError
-from .delivery import DeliverLock, Deliverer, read_config
+from ....base.errors import ConfigError
+from .deliverer import DeliverLock, Deliverer, read_config
 from .session import http_settings
-from .sqlite import BrokenStoreError
+from ..sqlite import BrokenStoreError
 from .state import PENDING_STATUS_FILE, PENDING_TAGS_FILE, read_json_dict, read_pending_status
-from .uri import redact_uri, scrub, validate_uri
+from ..uri import redact_uri, scrub, validate_uri
 
 logger = logging.getLogger("gwenlake_hpc.tracking")
 

@@ -2,7 +2,7 @@
 
 :class:`Deliverer` does the work (connect, create or reattach, deliver the spool in order and exactly once,
 remove what was delivered). It runs in the delivery process that each training starts
-(``python -m gwenlake_hpc.stores.tracking``, see :func:`main`), and in ``tracking sync``.
+(``python -m gwenlake_hpc.stores.tracking.delivery``, see :func:`main`), and in ``tracking sync``.
 
 The delivery process talks to the training over its standard input and output, one JSON object a line:
 
@@ -35,12 +35,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ...base.errors import ConfigError
+from ....base.errors import ConfigError
 from .session import MAX_METRICS_PER_BATCH, RunSession, http_settings
 from .spool import Entry, Point, SpoolReader, segment_paths, try_lock
-from .sqlite import BrokenStoreError
+from ..sqlite import BrokenStoreError
 from .state import DELIVER_LOCK, PENDING_STATUS_FILE, TRACKING_JSON, read_run_id
-from .uri import redact_uri, scrub, validate_uri
+from ..uri import redact_uri, scrub, validate_uri
 
 logger = logging.getLogger("gwenlake_hpc.tracking")
 
@@ -236,7 +236,7 @@ class _ProtocolHandler(logging.Handler):
 
 
 class DeliveryProcess:
-    """The loop of ``python -m gwenlake_hpc.stores.tracking`` (see the module docstring)."""
+    """The loop of ``python -m gwenlake_hpc.stores.tracking.delivery`` (see the module docstring)."""
 
     def __init__(self, setup: dict[str, Any], send: Callable[[dict[str, Any]], None],
                  ops: queue.Queue[dict[str, Any] | None]) -> None:

@@ -21,8 +21,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ...base.fsutil import write_atomic
-from .uri import redact_uri, validate_uri
+from ....base.fsutil import write_atomic
+from ..uri import redact_uri, validate_uri
 
 logger = logging.getLogger("gwenlake_hpc.tracking")
 
