@@ -4,6 +4,8 @@ whole table of bad settings runs in process in ``tests/unit/test_config_errors.p
 from __future__ import annotations
 
 
+import h5py
+import numpy as np
 import pytest
 from helpers.bad_input import train_t, snapshot
 
@@ -50,3 +52,32 @@ def test_missing_column(trained):
     assert snapshot(trained.root) == before
 
 
+@pytest.mark.slow
+def test_missing_dataset(trained):
+    before = snapshot(trained.root)
+    proc = trained.run("+job=t", "paths.data_root=elsewhere", "job.tracking=false")
+    assert proc.returncode == 2
+    assert "t.rows" in proc.stderr + proc.stdout and "data import" in proc.stderr + proc.stdout
+    assert snapshot(trained.root) == before
+
+
+@pytest.mark.slow
+def test_ragged_dataset(project):
+    path = project.root / "data" / "t" / "rows.h5"
+    with h5py.File(path, "a") as f:
+        del f["y"]
+        f["y"] = np.zeros(150, dtype=np.float32)
+    proc = project.run("+job=t", "job.tracking=false")
+    assert proc.returncode == 2
+    assert "150" in proc.stderr + proc.stdout and "200" in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_output_path_escape(project):
+    proc = project.run("+job=t", "job.tracking=false", env={"GWL_TEST_BAD": "escape"})
+    assert proc.returncode == 2
+    assert "escapes" in proc.stderr + proc.stdout
+    assert not list(project.root.rglob("escaped.txt"))
+    # the final checkpoint is kept: a corrected rerun trains nothing and commits
+    again = project.run("+job=t", "job.tracking=false", check=0)
+    assert "resuming from step 60" in again.stdout + again.stderr

@@ -66,3 +66,15 @@ def test_a_misused_decorator_is_reported_as_the_cause(project):
         assert "Traceback" not in proc.stderr
     job = project.run("+job=t", "job.target=bad.py:norun")
     assert job.returncode == 2 and "importing bad.py failed: @train on norun" in job.stdout + job.stderr
+
+
+@pytest.mark.slow
+def test_models_list_and_commit_by_hand(project):
+    project.run("+job=t", "job.tracking=false", check=0)
+    d = project.root / "handmade"
+    d.mkdir()
+    (d / "weights.bin").write_bytes(b"\x00\x01")
+    proc = project.run("models", "commit", str(d), "t.model", "-m", "hand-tuned", check=0)
+    sha = proc.stdout.split()[-1]
+    listed = project.run("models", "list", "t.model", check=0).stdout.splitlines()
+    assert len(listed) == 2 and listed[0].startswith(sha) and "hand-tuned" in listed[0]

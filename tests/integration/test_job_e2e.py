@@ -143,3 +143,25 @@ def test_changed_tracking_uri_does_not_repoint_the_first_run(project):
     assert steps == [*range(1, 61), *range(81, 101)]
     other_runs = MlflowClient(other).search_runs([MlflowClient(other).get_experiment_by_name("t.model").experiment_id])
     assert len(other_runs) == 1
+
+
+@pytest.mark.slow
+def test_tracking_false_touches_no_store(project):
+    project.run("+job=t", "job.tracking=false", check=0)
+    assert not (project.root / "runs" / "mlflow.db").exists()
+    assert not (run_dir_of(project) / "tracking").exists()
+
+
+@pytest.mark.slow
+def test_second_process_on_the_same_run_is_refused(project):
+    f = project.root
+    first = project.popen("+job=t", "job.tracking=false", env={"GWL_TEST_PAUSE": f"10:{f}/reached:{f}/go"})
+    deadline = time.time() + 120
+    while not (f / "reached").exists():
+        assert time.time() < deadline
+        time.sleep(0.05)
+    second = project.run("+job=t", "job.tracking=false")
+    assert second.returncode == 2 and "is being trained by pid" in second.stdout + second.stderr
+    (f / "go").touch()
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, out + err

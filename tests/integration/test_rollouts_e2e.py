@@ -38,3 +38,19 @@ def test_rollouts_and_tagged_series_through_an_mlflow_server(server):
     got = client.get_run(run.info.run_id)
     assert got.data.metrics == {"auc/class:churn_a/split:test": 0.9}
     assert [m.step for m in client.get_metric_history(run.info.run_id, series)] == [3]
+
+
+@pytest.mark.slow
+def test_a_job_logs_its_rollouts_as_traces_of_its_run(observed_job):
+    project, done = observed_job.project, observed_job.proc
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    client = MlflowClient(tracking_uri=f"sqlite:///{project.root / 'runs' / 'mlflow.db'}")
+    run_dir = next((project.root / "runs" / "t.model").iterdir())
+    run = client.get_run((run_dir / "tracking" / "run_id").read_text().strip())
+    traces = client.search_traces(locations=[run.info.experiment_id], run_id=run.info.run_id)
+    by_step = {int(t.info.tags["gwenlake.step"]): t for t in traces}
+    assert sorted(by_step) == [10, 20, 30]
+    t = by_step[20]
+    assert t.info.tags[ROLLOUT_TAG] == f"{20:032x}" and t.info.tags["gwenlake.task_id"] == "task-20"
+    assert [s.name for s in t.data.spans] == ["rollout", "model turn 1", "tool get_weather", "model turn 2"]
+    assert t.data.spans[0].outputs["reward"] == 0.2 and t.data.spans[0].outputs["metrics"] == {"turns": 2.0}

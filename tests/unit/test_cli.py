@@ -25,16 +25,3 @@ def test_subcommands_are_not_overrides(project):
     assert proc.returncode == 2 and "tracking" in proc.stderr
     proc = project.run("tracking", "sync", str(project.root / "trainer.py"))  # a file
     assert proc.returncode == 2 and "not the tracking folder of a run" in proc.stderr, proc.stderr
-
-
-def test_models_list_and_commit_by_hand(project):
-    project.run("+job=t", "job.tracking=false", check=0)
-    d = project.root / "handmade"
-    d.mkdir()
-    (d / "weights.bin").write_bytes(b"\x00\x01")
-    proc = project.run("models", "commit", str(d), "t.model", "-m", "hand-tuned", check=0)
-    sha = proc.stdout.split()[-1]
-    listed = project.run("models", "list", "t.model", check=0).stdout.splitlines()
-    assert len(listed) == 2 and listed[0].startswith(sha) and "hand-tuned" in listed[0]
-
-

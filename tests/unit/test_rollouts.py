@@ -51,20 +51,3 @@ def test_a_rollout_delivered_twice_is_one_trace_with_its_spans(tmp_path):
     assert t.info.tags[ROLLOUT_TAG] == "ab" * 16 and t.info.tags["gwenlake.task_id"] == "t1"
     assert [s.name for s in t.data.spans] == ["rollout", "model turn 1", "tool calc", "model turn 2"]
     assert t.data.spans[0].outputs["reward"] == 0.5 and t.data.spans[2].outputs["content"] == "4"
-
-
-def test_a_job_logs_its_rollouts_as_traces_of_its_run(observed_job):
-    project, done = observed_job.project, observed_job.proc
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    client = MlflowClient(tracking_uri=f"sqlite:///{project.root / 'runs' / 'mlflow.db'}")
-    run_dir = next((project.root / "runs" / "t.model").iterdir())
-    run = client.get_run((run_dir / "tracking" / "run_id").read_text().strip())
-    traces = client.search_traces(locations=[run.info.experiment_id], run_id=run.info.run_id)
-    by_step = {int(t.info.tags["gwenlake.step"]): t for t in traces}
-    assert sorted(by_step) == [10, 20, 30]
-    t = by_step[20]
-    assert t.info.tags[ROLLOUT_TAG] == f"{20:032x}" and t.info.tags["gwenlake.task_id"] == "task-20"
-    assert [s.name for s in t.data.spans] == ["rollout", "model turn 1", "tool get_weather", "model turn 2"]
-    assert t.data.spans[0].outputs["reward"] == 0.2 and t.data.spans[0].outputs["metrics"] == {"turns": 2.0}
-
-

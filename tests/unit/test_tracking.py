@@ -1,15 +1,12 @@
-"""Tests of gwenlake_hpc.stores.tracking against a real MLflow: a SQLite store and a real server.
+"""Tests of gwenlake_hpc.stores.tracking: URIs, params, and the Tracker against a real MLflow SQLite store.
 
-The server (tests/helpers/mlflow_server.py) is started once for the module; the outage tests kill it
-(SIGKILL of its process group) and start it again on the same port and backend.
+The tests against a real server, its outages, and a hung one are in tests/integration/test_tracking_e2e.py.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +27,7 @@ from gwenlake_hpc.stores.tracking import (
     validate_uri,
 )
 
-from helpers.mlflow_server import MlflowServer, free_port
+from helpers.mlflow_server import free_port
 from helpers.tracking import history, loss, spool_empty, spool_points, tracking_warnings, wait_for
 
 
@@ -234,97 +231,6 @@ def test_sync_needs_tracking_json(tmp_path: Path) -> None:
         sync(tmp_path)
 
 
-def test_unreachable_at_start(
-    live: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    port = free_port()  # nothing listens there
-    uri = f"http://alice:s3cret@127.0.0.1:{port}"
-    state_dir = tmp_path / "tracking"
-    started = time.perf_counter()
-    tracker = Tracker(uri, "exp-unreachable", "r", state_dir, params={"lr": "0.1"},
-                      tags={"k": "v"}, flush_interval_s=0.2, retry_max_s=0.5)
-    for step in range(1, 101):
-        tracker.log_metrics({"loss": loss(step), "acc": step / 100}, step=step)
-    assert time.perf_counter() - started < 0.5
-    assert tracker.run_id is None
-    started = time.monotonic()
-    assert tracker.finish("FINISHED", timeout_s=2) is False
-    assert time.monotonic() - started < 2 + 2
-    points = spool_points(state_dir)
-    assert len(points) == 200
-    assert sorted(p["step"] for p in points if p["key"] == "loss") == list(range(1, 101))
-    assert not (state_dir / RUN_ID_FILE).exists()
-    assert json.loads((state_dir / PENDING_STATUS_FILE).read_text())["status"] == "FINISHED"
-    # No password in the state files nor in the logs.
-    saved = json.loads((state_dir / TRACKING_JSON).read_text())
-    assert saved["uri"] == f"http://alice@127.0.0.1:{port}" and saved["uri_password_removed"]
-    warnings = tracking_warnings(caplog)
-    assert warnings and all("s3cret" not in r.getMessage() for r in warnings)
-    assert all("alice" not in r.getMessage() for r in warnings)
-
-    # Later, delivered to a server that answers: the run is created from tracking.json.
-    result = sync(state_dir, uri=live.uri, timeout_s=30)
-    run_id = result["run_id"]
-    assert result == {"run_id": run_id, "delivered": 200, "remaining": 0, "status": "FINISHED"}
-    assert (state_dir / RUN_ID_FILE).read_text().strip() == run_id
-    client = MlflowClient(live.uri)
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED"
-    assert run.info.run_name == "r"
-    assert run.data.params == {"lr": "0.1"} and run.data.tags["k"] == "v"
-    assert history(client, run_id, "loss") == [(s, loss(s)) for s in range(1, 101)]
-    assert history(client, run_id, "acc") == [(s, s / 100) for s in range(1, 101)]
-
-
-def test_next_tracker_delivers_the_spool_of_an_earlier_process(
-    live: MlflowServer, tmp_path: Path
-) -> None:
-    state_dir = tmp_path / "tracking"
-    down = f"http://127.0.0.1:{free_port()}"
-    first = Tracker(down, "exp-handover", "r", state_dir, flush_interval_s=0.2, retry_max_s=0.5)
-    for step in range(1, 31):
-        first.log_metrics({"loss": loss(step)}, step=step)
-    assert first.close(timeout_s=1) is False  # evicted while the server was down
-    assert len(spool_points(state_dir)) == 30
-    assert not (state_dir / PENDING_STATUS_FILE).exists()
-
-    second = Tracker(live.uri, "exp-handover", "r", state_dir, flush_interval_s=0.2)
-    # Replays of 21..30 with other values: dropped by the delivery (it delivers the older spool first).
-    for step in range(21, 61):
-        second.log_metrics({"loss": loss(step) + (1000 if step <= 30 else 0)}, step=step)
-    assert second.finish("FINISHED") is True
-    client = MlflowClient(live.uri)
-    assert history(client, second.run_id, "loss") == [(s, loss(s)) for s in range(1, 61)]
-    assert client.get_run(second.run_id).info.status == "FINISHED"
-    assert spool_empty(state_dir)
-
-
-def test_finish_does_not_wait_for_a_hung_server(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A socket that accepts connections (kernel backlog) and never answers: every request
-    # hangs until MLFLOW_HTTP_REQUEST_TIMEOUT.
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
-    state_dir = tmp_path / "tracking"
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as hung:
-        hung.bind(("127.0.0.1", 0))
-        hung.listen(16)
-        uri = f"http://127.0.0.1:{hung.getsockname()[1]}"
-        tracker = Tracker(uri, "exp-hung", "r", state_dir, flush_interval_s=0.2)
-        for step in range(1, 11):
-            tracker.log_metrics({"loss": loss(step)}, step=step)
-        started = time.monotonic()
-        assert tracker.finish("FINISHED", timeout_s=1) is False
-        assert time.monotonic() - started < 1 + 1.5  # not the 3 s of the hung request
-        assert [p["step"] for p in spool_points(state_dir)] == list(range(1, 11))
-        assert json.loads((state_dir / PENDING_STATUS_FILE).read_text())["status"] == "FINISHED"
-        # The delivery process was stopped: once its request would have given up, the state is still there.
-        assert tracker._delivery.proc is None
-        time.sleep(3.5)
-    assert [p["step"] for p in spool_points(state_dir)] == list(range(1, 11))
-    assert (state_dir / PENDING_STATUS_FILE).exists()
-
-
 def test_sync_drops_points_already_stored_and_torn_lines(
     sqlite_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -356,5 +262,3 @@ def test_sync_drops_points_already_stored_and_torn_lines(
     assert history(client, first.run_id, "loss") == [(s, loss(s)) for s in range(1, 31)]
     assert client.get_run(first.run_id).info.status == "RUNNING"  # no status was pending
     assert any("1 malformed line" in r.getMessage() for r in tracking_warnings(caplog))
-
-

@@ -18,6 +18,8 @@ from gwenlake_hpc.stores.registry import alias_history, current_aliases, load_mo
 from gwenlake_hpc.stores.versioning import list_versions
 from helpers.release_project import make_scorer_project, train
 
+pytestmark = pytest.mark.slow  # real jobs and MLflow stores: the integration tier
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from mlflow import MlflowClient
+
+pytestmark = pytest.mark.slow  # real jobs and MLflow stores: the integration tier
 
 
 def test_tagged_metrics_are_series_mlflow_accepts_with_their_tags_on_the_run(observed_job):
