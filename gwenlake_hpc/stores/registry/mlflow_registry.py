@@ -20,7 +20,8 @@ __all__ = ["http_settings", "mlflow_client", "register_version", "mlflow_set_ali
 
 
 def http_settings() -> Any:
-    """A context in which MLflow's HTTP calls fail fast (see :func:`gwenlake_hpc.stores.tracking.delivery.session.http_settings`)."""
+    """A context in which MLflow's HTTP calls fail fast (see
+    :func:`gwenlake_hpc.stores.tracking.delivery.session.http_settings`)."""
     # No MLflow retry loop (minutes with backoff): a tracking outage must not hold a training or a promote. Set
     # for the calls below only: MLflow reads them from the environment at each request.
     from ..tracking.delivery.session import http_settings as session_http_settings
