@@ -50,7 +50,8 @@ class Launchable:
             ``wait(timeout=None)``, ``latest_checkpoint()``, ``cancel()``.
 
         Raises:
-            ConfigError: a bad override or launcher value. GwenlakeError: sbatch failed.
+            ConfigError: a bad override or launcher value.
+            GwenlakeError: sbatch failed.
         """
         from .launch.slurm import submit_training
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv and installs gwenlake_hpc with its test extras. Safe to run again.
+# Creates .venv and installs gwenlake_hpc with its test, examples and docs extras. Safe to run again.
 # `pip install torch==2.13.0` first: on our machines it takes the CPU build that lies on disk; an unpinned
 # torch would pull a multi-GB CUDA build. On a GPU cluster, install the torch build that matches its CUDA.
 set -euo pipefail
@@ -17,5 +17,5 @@ pip_install() {
   rm -f "$log"
 }
 pip_install "torch==${TORCH_VERSION:-2.13.0}"
-pip_install -e '.[test,examples]'
+pip_install -e '.[test,examples,docs]'
 .venv/bin/python -c "import gwenlake_hpc, torch; print('gwenlake_hpc', gwenlake_hpc.__version__, 'torch', torch.__version__)"

@@ -1,5 +1,5 @@
-"""The README's loop example, run in process (its main-job command in a clean virtualenv is in
-tests/integration/test_readme_e2e.py)."""
+"""The loop example of the user guide (docs/guide/writing-a-training.md), run in process (the README's main-job
+command in a clean virtualenv is in tests/integration/test_readme_e2e.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import re
 from helpers.project import REPO
 
 
-def readme_python(heading: str) -> str:
-    text = (REPO / "README.md").read_text()
+def readme_python(heading: str, page: str = "docs/guide/writing-a-training.md") -> str:
+    """The first python code block after ``heading`` in ``page`` (a path from the repository root)."""
+    text = (REPO / page).read_text()
     after = text[text.index(heading):]
     return re.search(r"```python\n(.+?)\n```", after, re.S).group(1)
 
@@ -31,7 +32,8 @@ def test_readme_loop_example_schedules_the_whole_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.optim.lr_scheduler, "OneCycleLR", Recorded)
     namespace = {"__name__": "readme_loop"}
-    exec(compile(readme_python("LR schedule over the whole run"), "README.md", "exec"), namespace)
+    exec(compile(readme_python("LR schedule over the whole run"), "docs/guide/writing-a-training.md", "exec"),
+         namespace)
     rng = np.random.default_rng(0)
     Catalog(tmp_path / "data").write("crm.churn-train", {
         "features": rng.normal(size=(300, 3)).astype(np.float32),

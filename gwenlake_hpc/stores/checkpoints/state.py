@@ -108,8 +108,9 @@ def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
 
     Args:
         path: a file written by :func:`save_state`.
-        model, optimizer, scheduler: restored in place with their ``load_state_dict`` when given (the
-            optimizer moves its state to its parameters' device itself).
+        model: restored in place with its ``load_state_dict`` when given.
+        optimizer: restored the same way (it moves its state to its parameters' device itself).
+        scheduler: restored the same way.
         strict: passed to ``model.load_state_dict``.
         map_location: device the tensors are loaded to before being copied into the objects.
 
