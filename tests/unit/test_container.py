@@ -165,9 +165,13 @@ def test_a_malformed_bundle_spec_is_exit_2_before_anything_is_written(tmp_path, 
     bundle = tmp_path / "bundle"
     (bundle / "rootfs").mkdir(parents=True)
     (bundle / "config.json").write_text(json.dumps(spec))
+    conf = tmp_path / "etc" / "oci.conf"  # the node's oci.conf is fine: only the spec is wrong
+    conf.parent.mkdir()
+    conf.write_text('RunTimeQuery="runc state"\nRunTimeRun="exec runc run %n -b %b"\n')
     folder = tmp_path / "f"
     with pytest.raises(ConfigError, match=needle):
-        ctr.prepare(lc(image=str(bundle)), paths(tmp_path), folder, tmp_path, which=which_only())
+        ctr.prepare(lc(image=str(bundle)), paths(tmp_path), folder, tmp_path,
+                    environ={"SLURM_CONF": str(conf.parent / "slurm.conf")}, which=which_only())
     assert not folder.exists()
 
 
