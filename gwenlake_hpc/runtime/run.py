@@ -162,11 +162,10 @@ class Run:
         self._epoch_rng: dict[str, Any] | None = None
         self._iterated = False
         self._times = StepTimes()
-        self._metrics = RunMetrics(tracker, self._times, self.dist.is_main, on_nonfinite, self.wait_for_checkpoint)
         # Where a rank other than 0 puts its (discarded) checkpoint files; its Output is a sibling folder.
         scratch = self.run_dir / ".ranks" / f"rank-{self.rank:05d}" / "checkpoint"
-        self._checkpoints = RunCheckpoints(self.store, self.dist, self._times, self._metrics, tracker, scratch,
-                                           latest)
+        self._checkpoints = RunCheckpoints(self.store, self.dist, self._times, tracker, scratch, latest)
+        self._metrics = RunMetrics(tracker, self._times, self.dist.is_main, on_nonfinite, self._checkpoints.wait)
 
     def _choose_checkpoint(self, resume: str) -> Checkpoint | None:
         """The checkpoint this run resumes from (None: from step 0).
@@ -547,7 +546,7 @@ class Run:
             CheckpointError: the previous background write failed (path and errno in the message).
         """
         asynchronous = self.checkpoint_async if sync is None else not sync
-        return self._checkpoints.checkpoint(self.step, keep, asynchronous, self.state_dict,
+        return self._checkpoints.checkpoint(self.step, keep, asynchronous, self.state_dict, self._metrics,
                                             log_breakdown=self.at_eval and self._iterated)
 
     def interruptible(self) -> Any:

@@ -16,6 +16,8 @@ default.
 - the step of the last checkpoint and the newest sealed one (``run.latest_checkpoint``);
 - the time spent in checkpoint blocks, added to the Run's :class:`~.timing.StepTimes`;
 - the protocol of a multi-task run (rank 0 writes and seals, the others add their own state).
+
+It holds neither the Run nor its metrics: the Run's state and metrics are arguments of each block.
 """
 
 from __future__ import annotations
@@ -73,8 +75,6 @@ class RunCheckpoints:
         store: the run's checkpoint store (``<run dir>/checkpoints``).
         dist: this process's place in a multi-task run.
         times: the Run's time accumulators; checkpoint blocks add their seconds to ``checkpoint_s``.
-        metrics: the Run's metrics: a block's ``ck.metrics`` are logged through it, and the step's breakdown
-            before the seal.
         tracker: the run's tracker; its ``make_durable(timeout_s=)`` (if any) runs before each seal on rank 0.
         scratch: where a rank other than 0 puts its (discarded) checkpoint files.
         latest: the checkpoint the Run resumed from, or None.
@@ -86,12 +86,11 @@ class RunCheckpoints:
         last_step: the step of the last ``run.checkpoint()`` block that completed, or None.
     """
 
-    def __init__(self, store: CheckpointStore, dist: Dist, times: StepTimes, metrics: RunMetrics, tracker: Any,
-                 scratch: Path, latest: Checkpoint | None):
+    def __init__(self, store: CheckpointStore, dist: Dist, times: StepTimes, tracker: Any, scratch: Path,
+                 latest: Checkpoint | None):
         self.store = store
         self.dist = dist
         self.times = times
-        self.metrics = metrics
         self.tracker = tracker
         self.scratch = scratch
         self.latest: Checkpoint | None = latest
@@ -108,7 +107,7 @@ class RunCheckpoints:
 
     @contextlib.contextmanager
     def checkpoint(self, step: int, keep: int | None, asynchronous: bool, state: Callable[[], dict[str, Any]],
-                   log_breakdown: bool) -> Iterator[CheckpointWriter]:
+                   metrics: RunMetrics, log_breakdown: bool) -> Iterator[CheckpointWriter]:
         """The block of ``run.checkpoint()`` at ``step`` (see there).
 
         Args:
@@ -116,6 +115,9 @@ class RunCheckpoints:
             keep: how many complete checkpoints to keep (None: all).
             asynchronous: write and seal in the background.
             state: gives the Run's own state (``run.state_dict``) when the block ends.
+            metrics: the Run's metrics: the block's ``ck.metrics`` are logged through them, and the step's
+                breakdown before the seal (an argument, not a field: the metrics hold :meth:`wait`, and a
+                cycle between the two would keep the host buffers alive after the Run until a GC pass).
             log_breakdown: log the step's time breakdown before the seal (an evaluation step of the loop).
 
         Raises:
@@ -135,16 +137,16 @@ class RunCheckpoints:
             # The block's own code (the user's save_state calls, an evaluation) counts as checkpoint time too:
             # what the loop is blocked by.
             if self.dist.enabled:
-                with self._checkpoint_multi(step, keep, asynchronous, state, log_breakdown) as writer:
+                with self._checkpoint_multi(step, keep, asynchronous, state, metrics, log_breakdown) as writer:
                     yield writer
             else:
-                yield from self._checkpoint(step, keep, asynchronous, state, log_breakdown)
+                yield from self._checkpoint(step, keep, asynchronous, state, metrics, log_breakdown)
         finally:
             self._in_block = False
             self.times.checkpoint_s += time.perf_counter() - max(started, self.times.window_start)
 
     def _checkpoint(self, step: int, keep: int | None, asynchronous: bool, state: Callable[[], dict[str, Any]],
-                    log_breakdown: bool) -> Iterator[CheckpointWriter]:
+                    metrics: RunMetrics, log_breakdown: bool) -> Iterator[CheckpointWriter]:
         self.writer.wait()  # at most one in flight; raises the previous one's error
         pending = self.store.begin(step, buffers=self.buffers if asynchronous else None)
         writer = CheckpointWriter(pending)
@@ -156,21 +158,22 @@ class RunCheckpoints:
             pending.abort()
             raise
         if writer.metrics:
-            self.metrics.log(writer.metrics, None, None, step)
-        self._seal(pending, keep, asynchronous, log_breakdown)
+            metrics.log(writer.metrics, None, None, step)
+        self._seal(pending, keep, asynchronous, metrics if log_breakdown else None)
         self.last_step = step
 
-    def _seal(self, pending: PendingCheckpoint, keep: int | None, asynchronous: bool, log_breakdown: bool) -> None:
+    def _seal(self, pending: PendingCheckpoint, keep: int | None, asynchronous: bool,
+              breakdown: RunMetrics | None) -> None:
         """Make the points logged so far durable, seal ``pending`` and apply retention: in the background
-        writer, or here when synchronous.
+        writer, or here when synchronous. ``breakdown``: the metrics that log the step's time breakdown first.
 
         The points come first: a checkpoint sealed before the points it covers are on disk would let a
         SIGKILL lose them for good (the resumed run does not replay steps at or before its checkpoint).
         """
-        if log_breakdown:
+        if breakdown is not None:
             # This step's breakdown goes with the points the seal makes durable: logged after the seal, a kill
             # could lose it for good (the resumed run starts after this step).
-            self.metrics.log_times(pending.step, during_step=True)
+            breakdown.log_times(pending.step, during_step=True)
         make_durable = getattr(self.tracker, "make_durable", None) if self.dist.is_main else None
 
         def job() -> Checkpoint:
@@ -205,7 +208,7 @@ class RunCheckpoints:
 
     @contextlib.contextmanager
     def _checkpoint_multi(self, step: int, keep: int | None, asynchronous: bool, state: Callable[[], dict[str, Any]],
-                          log_breakdown: bool) -> Iterator[CheckpointWriter]:
+                          metrics: RunMetrics, log_breakdown: bool) -> Iterator[CheckpointWriter]:
         """The checkpoint protocol of a multi-task run (every rank enters it at the same step).
 
         Rank 0 waits for its previous background seal, opens the partial directory and tells the others its
@@ -256,8 +259,8 @@ class RunCheckpoints:
                 try:
                     pending.prepare(state())
                     if writer.metrics:
-                        self.metrics.log(writer.metrics, None, None, step)
-                    self._seal(pending, keep, asynchronous, log_breakdown)
+                        metrics.log(writer.metrics, None, None, step)
+                    self._seal(pending, keep, asynchronous, metrics if log_breakdown else None)
                     sealed = f"step-{step:09d}"
                 except BaseException as exc:
                     pending.abort()
