@@ -60,26 +60,17 @@ class RunMetrics:
         self._tagged_series: dict[str, dict[str, str]] = {}  # series -> its tags (recorded on the run already)
         self._warned_nonfinite: set[str] = set()
 
-    def log(self, metrics: Mapping[str, Any], step: int | None, tags: Mapping[str, Any] | None, current_step: int) -> None:
-        """Record metric values for a step (default: ``current_step``, the Run's); never blocks on tracking.
+    def log(self, metrics: Mapping[str, Any], step: int | None, tags: Mapping[str, Any] | None,
+            current_step: int) -> None:
+        """What ``run.log(metrics, step, tags)`` does (:meth:`gwenlake_hpc.runtime.run.Run.log` documents the
+        arguments and the errors raised): record the values, never blocking on tracking.
 
-        A NaN or infinite value of a loss (a name containing ``loss``) ends the run (``job.on_nonfinite=stop``,
-        the default) before the step's checkpoint can hold diverged weights; other metrics only warn.
-
-        Args:
-            metrics: name -> number (Python float/int, numpy scalar or one-element tensor; note that reading
-                a CUDA tensor synchronises the device).
-            step: the step the values belong to (None: the ``step`` or ``epoch`` tag, else ``current_step``).
-            tags: qualifiers from the vocabulary ``split``, ``class``, ``threshold``, ``optimizer``,
-                ``model_version`` (others warn once); each combination is a series of its own, named with the
-                tags sorted: ``auc/class:churn/split:test``, its tags also recorded as the run tag
-                ``gwenlake.metric_tags.<series>``. ``step``/``epoch`` give the x-axis instead (see
-                :mod:`gwenlake_hpc.stores.tracking.metric_tags`).
-            current_step: the Run's current step.
+        ``current_step`` is the Run's step: the values' step when neither ``step`` nor a ``step``/``epoch`` tag
+        gives one.
 
         Raises:
             ValueError: a bad tag name, or a ``step``/``epoch`` tag that is not a whole number.
-            NonFiniteError: a NaN or infinite loss with ``job.on_nonfinite=stop``.
+            NonFiniteError: a NaN or infinite loss with ``on_nonfinite="stop"``.
         """
         tag_step = None
         if tags:  # the plain path (every step, no tags) does no naming work

@@ -90,8 +90,8 @@ def smudge_pointers(cwd: PathLike, env: Mapping[str, str], out_dir: Path) -> int
                     proc = stream_git(cwd, smudge_env, ["lfs", "smudge", "--", name], pointer, fh, timeout_s=3600)
                 size = os.stat(tmp).st_size
                 if proc.returncode != 0 or (size < LFS_POINTER_MAX and is_lfs_pointer(Path(tmp).read_bytes())):
-                    raise GwenlakeError(f"git lfs smudge of {path.name} failed (exit {proc.returncode}):"
-                                        f" {proc.stderr.decode(errors='replace').strip()[-500:] or 'it gave the pointer back'}")
+                    why = proc.stderr.decode(errors="replace").strip()[-500:] or "it gave the pointer back"
+                    raise GwenlakeError(f"git lfs smudge of {path.name} failed (exit {proc.returncode}): {why}")
                 publish(tmp, path)  # git-lfs wrote the file: fsync, rename over the pointer, fsync the folder
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
