@@ -126,8 +126,8 @@ def save_named(model_root: Path, name: str, model: Any, *, run_key: str, step: i
             else:
                 if dest.exists():  # no RENAME_EXCHANGE here (an old kernel, some network filesystems)
                     old = store / f".old-{name}-{os.getpid()}-{time.monotonic_ns()}"
-                    os.rename(dest, old)
-                os.rename(tmp, dest)
+                    os.rename(dest, old)  # folders: the protocol above, not fsutil
+                os.rename(tmp, dest)  # folders: the protocol above, not fsutil
             fsync_dir(store)
             write_atomic(store / LATEST_FILE, (json.dumps({"name": name, "run_key": run_key, "step": int(step),
                                                            "time": info["time"]}) + "\n").encode())
