@@ -178,10 +178,33 @@ def read_record(run_dir: Path, job_ref: str) -> dict:
 
 
 def _write_record(path: Path, record: dict) -> None:
+    """Replace the job's record durably: temporary file beside it, fsync, rename, fsync of the folder.
+
+    This is :func:`gwenlake_hpc.base.fsutil.write_atomic` written out again, because this module must run as a
+    plain file on a host without gwenlake_hpc (see the module's docstring) and so imports nothing from it.
+    A reader sees the old record or the new one, never half of one; the record survives a crash of the node.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)  # a reader sees the old record or the new one, never half of one
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(record, indent=1, sort_keys=True) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)  # the record's own durable write, as the docstring says
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # a file system that cannot open a folder: the record itself is already synced
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def slurm_job_ref() -> str:

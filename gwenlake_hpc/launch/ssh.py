@@ -432,6 +432,11 @@ class SshConnection:
                             break
                         fh.write(chunk)
                 fh.flush()
+            # fsutil's routines work on local paths; this file is on the remote host, reached by SFTP only.
+            # posix-rename@openssh.com is rename(2) there, so readers see the old file or the new one and an
+            # interrupted upload leaves only the temporary name. There is no fsync (paramiko has no
+            # fsync@openssh.com call), so a crash of the remote host may lose the upload: these files
+            # (batch scripts, code bundles, patches) are made again from the local checkout at the next submission.
             sftp.posix_rename(tmp, path)
         except BaseException:
             try:

@@ -1,4 +1,5 @@
-"""The Run and what it owns inside a training process: the loop (``run``), its metrics (``run_metrics``) and
-checkpoints (``run_checkpoints``), the current run (``current``), RNG state (``rng``), stop signals
-(``signals``), the process group (``distributed``), progress lines (``progress``) and the device (``device``).
+"""The Run and what it owns inside a training process: the loop (``run``) and the objects it is composed of (its
+time accumulators ``timing``, metrics ``run_metrics``, checkpoints ``run_checkpoints``), the current run
+(``current``), RNG state (``rng``), stop signals (``signals``), the process group (``distributed``), progress
+lines (``progress``) and the device (``device``).
 Imports the stores and the basics only."""

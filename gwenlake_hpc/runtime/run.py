@@ -1,9 +1,21 @@
-"""The Run: a thin owner of the training loop.
+"""The Run: a thin owner of the training loop, composed of the objects it builds.
 
-It numbers steps, feeds batches, fast-forwards on a resume without reading the skipped data, turns a stop
-request into an ordinary end of loop between two steps, writes atomic checkpoints that carry its own state
-(asynchronously by default: the loop waits only for a copy of the state), and forwards metrics to tracking
-without slowing the loop.
+The :class:`Run` itself owns:
+
+- the loop (:meth:`Run.steps`): step numbering, ``at_eval``, the batches fed from the resume point (fast-forward
+  without reading the skipped data when it can), a stop request turned into an ordinary end of loop between two
+  steps, agreed by every rank;
+- the resume facts: the checkpoint chosen at start (``resumed``, ``resume_path``, ``start_step``) and its state;
+- its own state saved in every checkpoint (:meth:`Run.state_dict`: step, data position, RNG);
+- the public API, delegating to the objects below.
+
+It builds, in ``__init__``, and owns:
+
+- a :class:`~.timing.StepTimes`: the time accumulators of the ``time/*`` breakdown, shared by the loop and
+  the two objects below;
+- a :class:`~.run_metrics.RunMetrics`: ``run.log``, non-finite losses, the breakdown, ``run.summary()``;
+- a :class:`~.run_checkpoints.RunCheckpoints`: ``run.checkpoint()`` (asynchronous by default: the loop waits
+  only for a copy of the state), ``run.wait_for_checkpoint()``, ``run.latest_checkpoint``.
 """
 
 from __future__ import annotations
@@ -13,10 +25,10 @@ import math
 import signal
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, ContextManager, Iterable, Iterator, Mapping
 
 from ..base import rules
-from ..stores.checkpoints import BackgroundWriter, BufferPool, Checkpoint, CheckpointStore
+from ..stores.checkpoints import Checkpoint, CheckpointStore
 from ..stores.checkpoints.writer import async_default
 from .distributed import Dist
 from ..base.errors import ConfigError
@@ -25,6 +37,7 @@ from .rng import rng_state, seed_everything, set_rng_state, shield_workers
 from .run_checkpoints import CheckpointWriter, RunCheckpoints  # noqa: F401 (CheckpointWriter re-exported)
 from .run_metrics import RunMetrics
 from .signals import StopRequest
+from .timing import StepTimes
 
 log = logging.getLogger("gwenlake_hpc.run")
 
@@ -74,7 +87,7 @@ def _warn_persistent_workers(batches: Any) -> None:
                     "persistent_workers=False", type(dataset).__name__)
 
 
-class Run(RunMetrics, RunCheckpoints):
+class Run:
     """Owns the loop of one training; passed to the decorated function as ``run``.
 
     Built by the job (``gwenlake_hpc.job.execute``), not by user code.
@@ -99,7 +112,10 @@ class Run(RunMetrics, RunCheckpoints):
 
     Attributes read by user code: ``resumed``, ``resume_path``, ``start_step``, ``step``, ``epoch``,
     ``at_eval``, ``stopping``, ``evicted``, ``total_steps``, ``run_dir``, ``seed``, ``rank``, ``world_size``,
-    ``local_rank``, ``is_main``.
+    ``local_rank``, ``is_main``, ``latest_checkpoint``.
+
+    Metrics and checkpoints are objects the Run owns (see the module's docstring); :meth:`log`,
+    :meth:`summary`, :meth:`checkpoint` and :meth:`wait_for_checkpoint` delegate to them.
 
     In a multi-task run every rank runs the same loop: with ``Input(...).batches()`` each rank reads its own
     contiguous shard of every epoch (``len(batches) // world_size`` batches a rank, the remainder dropped),
@@ -115,6 +131,8 @@ class Run(RunMetrics, RunCheckpoints):
         rules.whole_number("job.steps", steps, 0)
         rules.whole_number("job.epochs", epochs)
         rules.whole_number("job.eval_every", "null" if eval_every is None else eval_every)
+        rules.choice("job.resume", resume, ("auto", "never"))
+        rules.choice("job.on_nonfinite", on_nonfinite, ("stop", "warn"))
         self.run_dir = Path(run_dir)
         self.run_key = run_key
         self.seed = seed
@@ -128,10 +146,37 @@ class Run(RunMetrics, RunCheckpoints):
         self.rank, self.world_size, self.local_rank = self.dist.rank, self.dist.world_size, self.dist.local_rank
         self._progress_mode = progress if self.dist.is_main else "off"
         self._progress_every_s = progress_every_s
-        rules.choice("job.resume", resume, ("auto", "never"))
+        self._progress: Progress | None = None
+        self.checkpoint_async = async_default() if checkpoint_async is None else bool(checkpoint_async)
         self.store = CheckpointStore(self.run_dir / "checkpoints", run_key)
+        latest = self._choose_checkpoint(resume)
+        self._resumed_from: Checkpoint | None = latest
+        self._run_state = self._own_state(latest) if latest else None
+        self.start_step = latest.step if latest else 0
+        self.step = self.start_step
+        self.epoch = 0
+        self.at_eval = False
+        self.stopping = False
+        self.evicted = False
+        # RNG states when the current pass over a plain iterable began (saved in checkpoints, see _batch_stream).
+        self._epoch_rng: dict[str, Any] | None = None
+        self._iterated = False
+        self._times = StepTimes()
         # Where a rank other than 0 puts its (discarded) checkpoint files; its Output is a sibling folder.
-        self._scratch = self.run_dir / ".ranks" / f"rank-{self.rank:05d}" / "checkpoint"
+        scratch = self.run_dir / ".ranks" / f"rank-{self.rank:05d}" / "checkpoint"
+        self._checkpoints = RunCheckpoints(self.store, self.dist, self._times, tracker, scratch, latest)
+        self._metrics = RunMetrics(tracker, self._times, self.dist.is_main, on_nonfinite, self._checkpoints.wait)
+
+    def _choose_checkpoint(self, resume: str) -> Checkpoint | None:
+        """The checkpoint this run resumes from (None: from step 0).
+
+        Rank 0 removes the partial checkpoints an interrupted writer left, and chooses the newest complete one
+        (setting damaged ones aside) when ``resume`` is ``auto``; every rank resumes from its choice.
+
+        Raises:
+            ConfigError: ``resume`` is ``never`` and the store already holds checkpoints of this run.
+            RuntimeError: a rank other than 0 cannot read the checkpoint rank 0 chose.
+        """
         latest = None
         if self.dist.is_main:
             removed = self.store.clean_partials()
@@ -141,46 +186,13 @@ class Run(RunMetrics, RunCheckpoints):
             if resume == "never" and self.store.complete():
                 raise ConfigError(f"job.resume=never but {self.store.root} already holds checkpoints of this "
                                   "run; nothing is deleted: move them away or use job.resume=auto")
-        # Rank 0 alone chooses (and may set aside damaged ones); every rank resumes from its choice.
         name = self.dist.broadcast(latest.path.name if latest else None)
         if not self.dist.is_main and name is not None:
             latest = self.store.open(name)
             if latest is None:
                 raise RuntimeError(f"rank {self.rank}: checkpoint {name} chosen by rank 0 is not readable here; "
                                    "is the run directory on a filesystem shared by all nodes?")
-        self._resumed_from: Checkpoint | None = latest
-        self._run_state = self._own_state(latest) if latest else None
-        self.start_step = latest.step if latest else 0
-        self.step = self.start_step
-        self.epoch = 0
-        self.at_eval = False
-        self.stopping = False
-        self.evicted = False
-        self.latest_checkpoint: Checkpoint | None = latest
-        self._checkpoint_step: int | None = None
-        # RNG states when the current pass over a plain iterable began (saved in checkpoints, see _batch_stream).
-        self._epoch_rng: dict[str, Any] | None = None
-        self._iterated = False
-        self._summary: dict[str, float] = {}
-        self._tagged_series: dict[str, dict[str, str]] = {}  # series -> its tags (recorded on the run already)
-        self._progress: Progress | None = None
-        self.checkpoint_async = async_default() if checkpoint_async is None else bool(checkpoint_async)
-        rules.choice("job.on_nonfinite", on_nonfinite, ("stop", "warn"))
-        self._on_nonfinite = on_nonfinite
-        self._warned_nonfinite: set[str] = set()
-        self._writer = BackgroundWriter()
-        self._buffers = BufferPool()
-        self._in_checkpoint = False
-        # Seconds since the last evaluation: waiting for input, the whole step (checkpoint and tracking
-        # included), blocked in run.checkpoint(), in run.log(). See _log_times.
-        self._times = dict.fromkeys(("input", "step", "checkpoint", "tracking"), 0.0)
-        self._steps_timed = 0
-        # When the current window of the breakdown began (perf_counter s), the step it was last logged at, and
-        # where the current step and checkpoint block began: an evaluation step's breakdown is logged before
-        # its checkpoint is sealed (see RunCheckpoints._seal), the rest of that step counts in the next window.
-        self._window_start = 0.0
-        self._times_logged_step: int | None = None
-        self._t_step = self._t_block = 0.0
+        return latest
 
     @property
     def is_main(self) -> bool:
@@ -340,6 +352,56 @@ class Run(RunMetrics, RunCheckpoints):
             ConfigError: the length is unknown (no steps/epochs and no ``len``), or the batches are empty.
             RuntimeError: iterated a second time.
         """
+        stream, total = self._begin(batches)
+        if stream is None:
+            return
+        times, metrics, checkpoints, progress = self._times, self._metrics, self._checkpoints, self._progress
+        writer, step = checkpoints.writer, self.start_step  # the loop's objects are read once, not at each step
+        try:
+            while step < total:
+                writer.raise_if_failed()  # a failed background write fails the run at the next step
+                self._stop.check_handlers()  # a library's own SIGTERM handler must not swallow an eviction
+                final = self._agree_on_stop()
+                if final and step > self.start_step and checkpoints.last_step == step:
+                    self.evicted = True  # the step just done wrote its checkpoint: end here
+                    break
+                step += 1
+                t_input = time.perf_counter()
+                epoch, batch = next(stream)
+                self.step, self.epoch = step, epoch
+                self.stopping = final
+                self.at_eval = final or step % self.eval_every == 0 or step == total
+                t_step = times.step_start = time.perf_counter()
+                times.input_s += t_step - t_input
+                yield step, batch
+                times.step_s += time.perf_counter() - max(t_step, times.window_start)
+                if times.logged_step != step:  # else logged at its checkpoint, this step counted there
+                    times.steps_timed += 1
+                    if self.at_eval:
+                        metrics.log_times(step)
+                progress.update(step)
+                if final:
+                    self._stopped_after(step)
+                    break
+        except KeyboardInterrupt:
+            raise  # a second Ctrl-C: at once, without waiting for a write in flight (its partial is cleaned later)
+        except BaseException:
+            writer.wait(raise_error=False)  # the checkpoint in flight is still sealed; the error wins
+            raise
+        else:
+            self.wait_for_checkpoint()  # the final (eviction) checkpoint is sealed before the loop ends
+        finally:
+            self._end_loop()
+
+    def _begin(self, batches: Any) -> tuple[Iterator[tuple[int, Any]] | None, int]:
+        """Fix the run's length, check a resume against it, restore the RNG states where the batch stream does
+        not, and say where the training starts. Returns the batch stream from the resume point (None when
+        there is nothing left to train) and the total steps.
+
+        Raises:
+            ConfigError: see :meth:`steps`, and a resume with another number of ranks under ``job.epochs``.
+            RuntimeError: called a second time.
+        """
         if self._iterated:
             raise RuntimeError("run.steps() can be iterated once per training")
         self._iterated = True
@@ -366,54 +428,126 @@ class Run(RunMetrics, RunCheckpoints):
             if self.start_step > total:
                 log.warning("checkpoint at step %d is beyond the %d steps asked for: nothing to train",
                             self.start_step, total)
-            return
-        self._progress = Progress(total, self.start_step, self._progress_mode, self._progress_every_s)
-        stream = self._batch_stream(batches, per_epoch, self.start_step, resume)
-        step = self.start_step
-        try:
-            while step < total:
-                self._writer.raise_if_failed()  # a failed background write fails the run at the next step
-                self._stop.check_handlers()  # a library's own SIGTERM handler must not swallow an eviction
-                # One decision for all ranks (a collective in a multi-task run): a stop request seen by any
-                # rank stops every rank after the same step.
-                final = self._agree_on_stop()
-                if final and step > self.start_step and self._checkpoint_step == step:
-                    self.evicted = True  # the step just done wrote its checkpoint: end here
-                    break
-                step += 1
-                t_input = time.perf_counter()
-                epoch, batch = next(stream)
-                self.step, self.epoch = step, epoch
-                self.stopping = final
-                self.at_eval = final or step % self.eval_every == 0 or step == total
-                t_step = self._t_step = time.perf_counter()
-                self._times["input"] += t_step - t_input
-                yield step, batch
-                self._times["step"] += time.perf_counter() - max(t_step, self._window_start)
-                if self._times_logged_step != step:  # else logged at its checkpoint, this step counted there
-                    self._steps_timed += 1
-                    if self.at_eval:
-                        self._log_times(step)
-                self._progress.update(step)
-                if final:
-                    self.evicted = True
-                    if self._checkpoint_step != step:
-                        log.warning("stopped at step %d without a checkpoint of it: write one when run.at_eval "
-                                    "is true, or the work since the last checkpoint is redone", step)
-                    break
-        except KeyboardInterrupt:
-            raise  # a second Ctrl-C: at once, without waiting for a write in flight (its partial is cleaned later)
-        except BaseException:
-            self._writer.wait(raise_error=False)  # the checkpoint in flight is still sealed; the error wins
-            raise
-        else:
-            self.wait_for_checkpoint()  # the final (eviction) checkpoint is sealed before the loop ends
-        finally:
-            self.at_eval = self.stopping = False
-            if self._progress is not None:
-                self._progress.close()
-            if self.evicted:
-                log.warning("stop requested (%s): loop ended after step %d", self._stop.reason, self.step)
+            return None, total
+        self._progress = self._metrics.progress = Progress(total, self.start_step, self._progress_mode,
+                                                           self._progress_every_s)
+        return self._batch_stream(batches, per_epoch, self.start_step, resume), total
+
+    def _stopped_after(self, step: int) -> None:
+        """The loop ends after ``step``, the last one of a stop request."""
+        self.evicted = True
+        if self._checkpoints.last_step != step:
+            log.warning("stopped at step %d without a checkpoint of it: write one when run.at_eval is true, or "
+                        "the work since the last checkpoint is redone", step)
+
+    def _end_loop(self) -> None:
+        self.at_eval = self.stopping = False
+        if self._progress is not None:
+            self._progress.close()
+        if self.evicted:
+            log.warning("stop requested (%s): loop ended after step %d", self._stop.reason, self.step)
+
+    # -- metrics and checkpoints (the objects' own docstrings say more) ----------------------------------------
+    def log(self, metrics: Mapping[str, Any], step: int | None = None, tags: Mapping[str, Any] | None = None) -> None:
+        """Record metric values for a step (default: the current step); never blocks on tracking.
+
+        A NaN or infinite value of a loss (a name containing ``loss``) ends the run (``job.on_nonfinite=stop``,
+        the default) before the step's checkpoint can hold diverged weights; other metrics only warn.
+
+        Args:
+            metrics: name -> number (Python float/int, numpy scalar or one-element tensor; note that reading
+                a CUDA tensor synchronises the device).
+            step: the step the values belong to (default: the ``step`` or ``epoch`` tag, else ``run.step``).
+            tags: qualifiers from the vocabulary ``split``, ``class``, ``threshold``, ``optimizer``,
+                ``model_version`` (others warn once); each combination is a series of its own, named with the
+                tags sorted: ``auc/class:churn/split:test``, its tags also recorded as the run tag
+                ``gwenlake.metric_tags.<series>``. ``step``/``epoch`` give the x-axis instead (see
+                :mod:`gwenlake_hpc.stores.tracking.metric_tags`).
+
+        Raises:
+            ValueError: a bad tag name, or a ``step``/``epoch`` tag that is not a whole number.
+            NonFiniteError: a NaN or infinite loss with ``job.on_nonfinite=stop``.
+        """
+        self._metrics.log(metrics, step, tags, self.step)
+
+    def summary(self) -> dict[str, float]:
+        """The latest value of every metric logged in this process, plus ``step`` (the last step done).
+
+        Waits for a checkpoint still being written (its metrics are part of the summary).
+        """
+        self.wait_for_checkpoint()
+        return self._metrics.summary(self.step)
+
+    @property
+    def latest_checkpoint(self) -> Checkpoint | None:
+        """The newest sealed checkpoint of this process (the one resumed from until a new one is sealed), or
+        None. A checkpoint written in the background appears here once sealed."""
+        return self._checkpoints.latest
+
+    def state_dict(self) -> dict[str, Any]:
+        """The Run's own state saved in every checkpoint (``rng_epoch_start`` only over a plain iterable)."""
+        state = {
+            "run_key": self.run_key,
+            "step": self.step,
+            "epoch": self.epoch,
+            "data_position": {"epoch": self.epoch, "next_global_batch": self.step, "rank": self.rank,
+                              "world_size": self.world_size},
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "total_steps": self.total_steps,
+            "rng": rng_state(),
+            "tracking_run_id": getattr(self.tracker, "run_id", None),
+            "time": time.time(),
+        }
+        if self._epoch_rng is not None:  # the RNG states the current pass began with: see Run._batch_stream
+            state["rng_epoch_start"] = self._epoch_rng
+        return state
+
+    def wait_for_checkpoint(self, raise_error: bool = True) -> Checkpoint | None:
+        """Block until the checkpoint being written in the background (if any) is sealed.
+
+        Called by the Run at the end of the loop (so an evicted run exits only once its final checkpoint is
+        sealed), by :meth:`summary` and by the job before it commits the model.
+
+        Returns:
+            The newest sealed checkpoint of this process (:attr:`latest_checkpoint`), or None.
+
+        Raises:
+            CheckpointError: the background write failed (the message names the path and errno); the
+                previous checkpoint stays the newest usable one. Raised at every later call (the run cannot
+                go on without checkpoints); with ``raise_error=False`` it is logged instead.
+        """
+        return self._checkpoints.wait(raise_error)
+
+    def checkpoint(self, keep: int | None = None, sync: bool | None = None) -> ContextManager[CheckpointWriter]:
+        """Write a checkpoint of the current step, atomically: ``with run.checkpoint(keep=3) as ck:``.
+
+        Put your files at ``ck.path(name)`` inside the block (``save_state(ck.path("state.safetensors"),
+        ...)``); set ``ck.metrics`` to attach metrics. When the block ends normally the Run adds its own state
+        (:meth:`state_dict`: step, data position, RNG states), every file is fsynced, a manifest with each
+        file's size and digest is written and the directory renamed into place ("sealed"); then all but the
+        newest ``keep`` complete checkpoints of this run are deleted (None keeps all). If the block raises,
+        nothing is kept.
+
+        Asynchronous (the default, see ``checkpoint_async``): ``save_state`` inside the block only copies the
+        tensors into a reused host buffer, and the block returns at once; a background thread writes, seals
+        and applies ``keep``. The snapshot holds the values of the moment it was taken, so the next step may
+        change the model right away. At most one checkpoint is in flight: the next ``run.checkpoint()`` first
+        waits for the previous one. A checkpoint counts for resume only once sealed; the loop's end (eviction
+        included), :meth:`summary` and the job's commit wait for it. Files written by other means inside the
+        block are written there and then, as in a synchronous checkpoint.
+
+        Args:
+            keep: how many complete checkpoints to keep (None: all).
+            sync: True writes and seals before the block returns; None uses the Run's default.
+
+        Raises (when the block is entered):
+            ConfigError: ``keep`` < 1, a nested block, a second block at the same step, or a bad file name.
+            CheckpointError: the previous background write failed (path and errno in the message).
+        """
+        asynchronous = self.checkpoint_async if sync is None else not sync
+        return self._checkpoints.checkpoint(self.step, keep, asynchronous, self.state_dict, self._metrics,
+                                            log_breakdown=self.at_eval and self._iterated)
 
     def interruptible(self) -> Any:
         """A block in which a stop signal raises :class:`gwenlake_hpc.runtime.signals.StopInterrupt` at once (see
@@ -421,7 +555,10 @@ class Run(RunMetrics, RunCheckpoints):
         return self._stop.interrupting()
 
     def _agree_on_stop(self) -> bool:
-        """Whether any rank was asked to stop; a rank that was not records the other's reason (for its log)."""
+        """Whether any rank was asked to stop; a rank that was not records the other's reason (for its log).
+
+        One decision for all ranks (a collective in a multi-task run): a stop request seen by any rank stops
+        every rank after the same step."""
         if not self.dist.enabled:
             return self._stop.requested
         stop = self._stop

@@ -1,10 +1,23 @@
-"""The Run's checkpoints: ``with run.checkpoint() as ck`` writes one atomically, in the background by default.
+"""The Run's checkpoints: what ``with run.checkpoint() as ck`` does, writing one atomically, in the background by
+default.
 
-A mixin of :class:`gwenlake_hpc.runtime.run.Run` (its other halves: the loop in :mod:`gwenlake_hpc.runtime.run`, metrics in
+:class:`RunCheckpoints` is an object the Run builds in its ``__init__`` and delegates ``run.checkpoint()`` and
+``run.wait_for_checkpoint()`` to (the loop is in :mod:`gwenlake_hpc.runtime.run`, metrics in
 :mod:`gwenlake_hpc.runtime.run_metrics`). The files and their sealing are the checkpoint store's
-(:mod:`gwenlake_hpc.stores.checkpoints`); this module adds the Run's own state to each checkpoint (step, data
-position, RNG), the order "points durable, then seal", retention, one checkpoint in flight, and the protocol
-of a multi-task run.
+(:mod:`gwenlake_hpc.stores.checkpoints`). It owns:
+
+- the background writer (at most one checkpoint in flight; a failed write fails the run at the next step)
+  and the reused host buffers of asynchronous snapshots;
+- the Run's own state in each checkpoint (step, data position, RNG: ``run.state_dict()``, asked for when the
+  block ends);
+- the order "points durable, then seal" (the tracker's ``make_durable``), and the step's time breakdown logged
+  before the seal;
+- retention (``keep=``);
+- the step of the last checkpoint and the newest sealed one (``run.latest_checkpoint``);
+- the time spent in checkpoint blocks, added to the Run's :class:`~.timing.StepTimes`;
+- the protocol of a multi-task run (rank 0 writes and seals, the others add their own state).
+
+It holds neither the Run nor its metrics: the Run's state and metrics are arguments of each block.
 """
 
 from __future__ import annotations
@@ -12,15 +25,18 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-from ..stores.checkpoints import Checkpoint, PendingCheckpoint, rank_state_name
 from ..base.errors import CheckpointError, ConfigError
-from .rng import rng_state
+from ..base.fsutil import write_atomic
+from ..stores.checkpoints import BackgroundWriter, BufferPool, Checkpoint, CheckpointStore, PendingCheckpoint
+from ..stores.checkpoints import rank_state_name
+from .distributed import Dist
+from .run_metrics import RunMetrics
+from .timing import StepTimes
 
 log = logging.getLogger("gwenlake_hpc.run")
 
@@ -53,134 +69,118 @@ class CheckpointWriter:
 
 
 class RunCheckpoints:
-    """Checkpoints of a :class:`gwenlake_hpc.runtime.run.Run` (mixed into it; not used on its own)."""
+    """The checkpoints of one Run (see the module's docstring for what it owns).
 
-    latest_checkpoint: Checkpoint | None
-    step: int
-    at_eval: bool
-    _times: dict[str, float]
-    _window_start: float
-    _t_block: float
-    _epoch_rng: dict[str, Any] | None
+    Args:
+        store: the run's checkpoint store (``<run dir>/checkpoints``).
+        dist: this process's place in a multi-task run.
+        times: the Run's time accumulators; checkpoint blocks add their seconds to ``checkpoint_s``.
+        tracker: the run's tracker; its ``make_durable(timeout_s=)`` (if any) runs before each seal on rank 0.
+        scratch: where a rank other than 0 puts its (discarded) checkpoint files.
+        latest: the checkpoint the Run resumed from, or None.
 
-    def state_dict(self) -> dict[str, Any]:
-        """The Run's own state saved in every checkpoint (``rng_epoch_start`` only over a plain iterable)."""
-        state = {
-            "run_key": self.run_key,
-            "step": self.step,
-            "epoch": self.epoch,
-            "data_position": {"epoch": self.epoch, "next_global_batch": self.step, "rank": self.rank,
-                              "world_size": self.world_size},
-            "seed": self.seed,
-            "world_size": self.world_size,
-            "total_steps": self.total_steps,
-            "rng": rng_state(),
-            "tracking_run_id": getattr(self.tracker, "run_id", None),
-            "time": time.time(),
-        }
-        if self._epoch_rng is not None:  # the RNG states the current pass began with: see Run._batch_stream
-            state["rng_epoch_start"] = self._epoch_rng
-        return state
+    Attributes:
+        writer: the background writer (one write in flight).
+        buffers: host buffers reused by asynchronous snapshots.
+        latest: the newest sealed checkpoint of this process, or None (set by the background writer too).
+        last_step: the step of the last ``run.checkpoint()`` block that completed, or None.
+    """
 
-    def wait_for_checkpoint(self, raise_error: bool = True) -> Checkpoint | None:
-        """Block until the checkpoint being written in the background (if any) is sealed.
+    def __init__(self, store: CheckpointStore, dist: Dist, times: StepTimes, tracker: Any, scratch: Path,
+                 latest: Checkpoint | None):
+        self.store = store
+        self.dist = dist
+        self.times = times
+        self.tracker = tracker
+        self.scratch = scratch
+        self.latest: Checkpoint | None = latest
+        self.last_step: int | None = None
+        self.writer = BackgroundWriter()
+        self.buffers = BufferPool()
+        self._in_block = False
 
-        Called by the Run at the end of the loop (so an evicted run exits only once its final checkpoint is
-        sealed), by :meth:`summary` and by the job before it commits the model.
-
-        Returns:
-            The newest sealed checkpoint of this process (:attr:`latest_checkpoint`), or None.
-
-        Raises:
-            CheckpointError: the background write failed (the message names the path and errno); the
-                previous checkpoint stays the newest usable one. Raised at every later call (the run cannot
-                go on without checkpoints); with ``raise_error=False`` it is logged instead.
-        """
-        self._writer.wait(raise_error)
-        return self.latest_checkpoint
+    def wait(self, raise_error: bool = True) -> Checkpoint | None:
+        """Block until the checkpoint being written in the background (if any) is sealed; return
+        :attr:`latest`. Raises CheckpointError as ``Run.wait_for_checkpoint``."""
+        self.writer.wait(raise_error)
+        return self.latest
 
     @contextlib.contextmanager
-    def checkpoint(self, keep: int | None = None, sync: bool | None = None) -> Iterator[CheckpointWriter]:
-        """Write a checkpoint of the current step, atomically.
-
-        Put your files at ``ck.path(name)`` inside the block (``save_state(ck.path("state.safetensors"),
-        ...)``); set ``ck.metrics`` to attach metrics. When the block ends normally the Run adds its own state
-        (step, data position, RNG states), every file is fsynced, a manifest with each file's size and digest
-        is written and the directory renamed into place ("sealed"); then all but the newest ``keep`` complete
-        checkpoints of this run are deleted (None keeps all). If the block raises, nothing is kept.
-
-        Asynchronous (the default, see ``checkpoint_async``): ``save_state`` inside the block only copies the
-        tensors into a reused host buffer, and the block returns at once; a background thread writes, seals
-        and applies ``keep``. The snapshot holds the values of the moment it was taken, so the next step may
-        change the model right away. At most one checkpoint is in flight: the next ``run.checkpoint()`` first
-        waits for the previous one. A checkpoint counts for resume only once sealed; the loop's end (eviction
-        included), :meth:`summary` and the job's commit wait for it. Files written by other means inside the
-        block are written there and then, as in a synchronous checkpoint.
+    def checkpoint(self, step: int, keep: int | None, asynchronous: bool, state: Callable[[], dict[str, Any]],
+                   metrics: RunMetrics, log_breakdown: bool) -> Iterator[CheckpointWriter]:
+        """The block of ``run.checkpoint()`` at ``step`` (see there).
 
         Args:
+            step: the Run's current step (steps completed).
             keep: how many complete checkpoints to keep (None: all).
-            sync: True writes and seals before the block returns; None uses the Run's default.
+            asynchronous: write and seal in the background.
+            state: gives the Run's own state (``run.state_dict``) when the block ends.
+            metrics: the Run's metrics: the block's ``ck.metrics`` are logged through them, and the step's
+                breakdown before the seal (an argument, not a field: the metrics hold :meth:`wait`, and a
+                cycle between the two would keep the host buffers alive after the Run until a GC pass).
+            log_breakdown: log the step's time breakdown before the seal (an evaluation step of the loop).
 
         Raises:
-            ConfigError: ``keep`` < 1, or a bad file name.
+            ConfigError: ``keep`` < 1, a nested block, or a second block at the same step.
             CheckpointError: the previous background write failed (path and errno in the message).
         """
         if keep is not None and int(keep) < 1:
             raise ConfigError(f"run.checkpoint(keep={keep}): keep must be at least 1 (or None to keep all)")
-        asynchronous = self.checkpoint_async if sync is None else not sync
-        if self._in_checkpoint:
+        if self._in_block:
             raise ConfigError("run.checkpoint() blocks cannot be nested: write every file of the step in one block")
-        if self._checkpoint_step == self.step:
-            raise ConfigError(f"run.checkpoint() was already called at step {self.step}: one checkpoint a step "
+        if self.last_step == step:
+            raise ConfigError(f"run.checkpoint() was already called at step {step}: one checkpoint a step "
                               "(write every file of the step in one block)")
-        self._in_checkpoint = True
-        started = self._t_block = time.perf_counter()
+        self._in_block = True
+        started = self.times.block_start = time.perf_counter()
         try:
             # The block's own code (the user's save_state calls, an evaluation) counts as checkpoint time too:
             # what the loop is blocked by.
-            yield from self._checkpoint(keep, asynchronous)
+            if self.dist.enabled:
+                with self._checkpoint_multi(step, keep, asynchronous, state, metrics, log_breakdown) as writer:
+                    yield writer
+            else:
+                yield from self._checkpoint(step, keep, asynchronous, state, metrics, log_breakdown)
         finally:
-            self._in_checkpoint = False
-            self._times["checkpoint"] += time.perf_counter() - max(started, self._window_start)
+            self._in_block = False
+            self.times.checkpoint_s += time.perf_counter() - max(started, self.times.window_start)
 
-    def _checkpoint(self, keep: int | None, asynchronous: bool) -> Iterator[CheckpointWriter]:
-        if self.dist.enabled:
-            with self._checkpoint_multi(keep, asynchronous) as writer:
-                yield writer
-        else:
-            self._writer.wait()  # at most one in flight; raises the previous one's error
-            pending = self.store.begin(self.step, buffers=self._buffers if asynchronous else None)
-            writer = CheckpointWriter(pending)
-            try:
-                yield writer
-                pending.metrics = {k: float(v) for k, v in writer.metrics.items()}
-                pending.prepare(self.state_dict())
-            except BaseException:
-                pending.abort()
-                raise
-            if writer.metrics:
-                self.log(writer.metrics)
-            self._seal(pending, keep, asynchronous)
-            self._checkpoint_step = self.step
+    def _checkpoint(self, step: int, keep: int | None, asynchronous: bool, state: Callable[[], dict[str, Any]],
+                    metrics: RunMetrics, log_breakdown: bool) -> Iterator[CheckpointWriter]:
+        self.writer.wait()  # at most one in flight; raises the previous one's error
+        pending = self.store.begin(step, buffers=self.buffers if asynchronous else None)
+        writer = CheckpointWriter(pending)
+        try:
+            yield writer
+            pending.metrics = {k: float(v) for k, v in writer.metrics.items()}
+            pending.prepare(state())
+        except BaseException:
+            pending.abort()
+            raise
+        if writer.metrics:
+            metrics.log(writer.metrics, None, None, step)
+        self._seal(pending, keep, asynchronous, metrics if log_breakdown else None)
+        self.last_step = step
 
-    def _seal(self, pending: PendingCheckpoint, keep: int | None, asynchronous: bool) -> None:
+    def _seal(self, pending: PendingCheckpoint, keep: int | None, asynchronous: bool,
+              breakdown: RunMetrics | None) -> None:
         """Make the points logged so far durable, seal ``pending`` and apply retention: in the background
-        writer, or here when synchronous.
+        writer, or here when synchronous. ``breakdown``: the metrics that log the step's time breakdown first.
 
         The points come first: a checkpoint sealed before the points it covers are on disk would let a
         SIGKILL lose them for good (the resumed run does not replay steps at or before its checkpoint).
         """
-        if self.at_eval and self.loop_started:
+        if breakdown is not None:
             # This step's breakdown goes with the points the seal makes durable: logged after the seal, a kill
             # could lose it for good (the resumed run starts after this step).
-            self._log_times(self.step, during_step=True)
-        make_durable = getattr(self.tracker, "make_durable", None) if self.is_main else None
+            breakdown.log_times(pending.step, during_step=True)
+        make_durable = getattr(self.tracker, "make_durable", None) if self.dist.is_main else None
 
         def job() -> Checkpoint:
             if make_durable is not None:
                 make_durable(timeout_s=5.0)
             ck = pending.seal()
-            self.latest_checkpoint = ck
+            self.latest = ck
             if keep is not None:
                 try:
                     self.store.retain(int(keep), newest=ck.step)
@@ -191,7 +191,7 @@ class RunCheckpoints:
 
         if asynchronous:
             step = pending.step
-            previous = self.latest_checkpoint
+            previous = self.latest
 
             def background() -> Checkpoint:
                 try:
@@ -202,12 +202,13 @@ class RunCheckpoints:
                         f"(errno {exc.errno}); the newest usable checkpoint is "
                         f"{previous.path if previous else 'none'}") from exc
 
-            self._writer.submit(background)
+            self.writer.submit(background)
         else:
             job()
 
     @contextlib.contextmanager
-    def _checkpoint_multi(self, keep: int | None, asynchronous: bool) -> Iterator[CheckpointWriter]:
+    def _checkpoint_multi(self, step: int, keep: int | None, asynchronous: bool, state: Callable[[], dict[str, Any]],
+                          metrics: RunMetrics, log_breakdown: bool) -> Iterator[CheckpointWriter]:
         """The checkpoint protocol of a multi-task run (every rank enters it at the same step).
 
         Rank 0 waits for its previous background seal, opens the partial directory and tells the others its
@@ -216,42 +217,39 @@ class RunCheckpoints:
         background when asynchronous) and tells the others. A failure on any rank aborts the checkpoint on all
         of them; a failed background seal of rank 0 fails every rank at the next checkpoint.
         """
+        dist, rank = self.dist, self.dist.rank
         error: BaseException | None = None
         pending = None
-        if self.dist.is_main:
+        if dist.is_main:
             try:
-                self._writer.wait()
-                pending = self.store.begin(self.step, buffers=self._buffers if asynchronous else None)
+                self.writer.wait()
+                pending = self.store.begin(step, buffers=self.buffers if asynchronous else None)
             except BaseException as exc:  # tell the others before raising
                 error = exc
-        name = self.dist.broadcast(pending.dir.name if pending else None)
+        name = dist.broadcast(pending.dir.name if pending else None)
         if error is not None:
             raise error
         if name is None:
-            raise CheckpointError(f"rank {self.rank}: rank 0 could not start the checkpoint of step {self.step} "
+            raise CheckpointError(f"rank {rank}: rank 0 could not start the checkpoint of step {step} "
                                   "(its previous checkpoint failed to write; see its log)")
         partial = self.store.root / name
         if pending is None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-            pending = PendingCheckpoint(self.store, self.step, scratch=self._scratch)
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            pending = PendingCheckpoint(self.store, step, scratch=self.scratch)
         writer = CheckpointWriter(pending)
         try:
             yield writer
-            if self.rank:
-                state = self.state_dict()
-                mine = {k: state[k] for k in ("rng", "rng_epoch_start", "data_position", "step", "epoch")
-                        if k in state}
-                target = partial / rank_state_name(self.rank)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with open(target, "w") as fh:
-                    json.dump(mine, fh, sort_keys=True)
-                    fh.flush()
-                    os.fsync(fh.fileno())
+            if rank:
+                full = state()
+                mine = {k: full[k] for k in ("rng", "rng_epoch_start", "data_position", "step", "epoch")
+                        if k in full}
+                # Into rank 0's partial folder, which rank 0 seals (manifest, rename) once every rank reported.
+                write_atomic(partial / rank_state_name(rank), json.dumps(mine, sort_keys=True))
         except BaseException as exc:  # still take part in the vote, then re-raise
             error = exc
-        failed = self.dist.any(error is not None)
+        failed = dist.any(error is not None)
         sealed = None
-        if not self.dist.is_main:
+        if not dist.is_main:
             pending.abort()  # the scratch folder: nothing in it is kept
         else:
             if failed:
@@ -259,20 +257,20 @@ class RunCheckpoints:
             else:
                 pending.metrics = {k: float(v) for k, v in writer.metrics.items()}
                 try:
-                    pending.prepare(self.state_dict())
+                    pending.prepare(state())
                     if writer.metrics:
-                        self.log(writer.metrics)
-                    self._seal(pending, keep, asynchronous)
-                    sealed = f"step-{self.step:09d}"
+                        metrics.log(writer.metrics, None, None, step)
+                    self._seal(pending, keep, asynchronous, metrics if log_breakdown else None)
+                    sealed = f"step-{step:09d}"
                 except BaseException as exc:
                     pending.abort()
                     error = exc
-        name = self.dist.broadcast(sealed)
+        name = dist.broadcast(sealed)
         if error is not None:
             raise error
         if name is None:
-            raise CheckpointError(f"rank {self.rank}: the checkpoint of step {self.step} was not sealed "
+            raise CheckpointError(f"rank {rank}: the checkpoint of step {step} was not sealed "
                                   "(another rank failed writing its part; see its log)")
-        if not self.dist.is_main and not asynchronous:
-            self.latest_checkpoint = self.store.open(name)
-        self._checkpoint_step = self.step
+        if not dist.is_main and not asynchronous:
+            self.latest = self.store.open(name)
+        self.last_step = step

@@ -1,9 +1,21 @@
-"""The Run's metrics: :meth:`Run.log <RunMetrics.log>`, the time breakdown, non-finite losses, the summary.
+"""The Run's metrics: what :meth:`Run.log <gwenlake_hpc.runtime.run.Run.log>` does, the time breakdown,
+non-finite losses, the summary.
 
-A mixin of :class:`gwenlake_hpc.runtime.run.Run` (its other halves: the loop in :mod:`gwenlake_hpc.runtime.run`, checkpoints in
-:mod:`gwenlake_hpc.runtime.run_checkpoints`). It reads the Run's ``tracker``, ``step``, ``is_main``, ``_progress``,
-``_on_nonfinite`` and the time accumulators ``_times``/``_steps_timed``; it never blocks on tracking (the
-tracker queues points, :mod:`gwenlake_hpc.stores.tracking.tracker`).
+:class:`RunMetrics` is an object the Run builds in its ``__init__`` and delegates ``run.log`` and
+``run.summary()`` to (the loop is in :mod:`gwenlake_hpc.runtime.run`, checkpoints in
+:mod:`gwenlake_hpc.runtime.run_checkpoints`). It owns:
+
+- the values handed to tracking: ``run.log``'s numbers, named by their tags (a series' tags recorded on the
+  run once), forwarded to the tracker without blocking on it (the tracker queues points,
+  :mod:`gwenlake_hpc.stores.tracking.tracker`);
+- the latest value of every metric (the summary);
+- non-finite values: a NaN loss stops the run (``job.on_nonfinite``), other metrics warn once;
+- the ``time/*`` breakdown logged at evaluation steps, from the Run's :class:`~.timing.StepTimes`, to which
+  it adds the seconds spent in ``run.log``;
+- the loss shown by the progress display.
+
+It reads the current step only as an argument from the Run, and waits for a checkpoint in flight through
+the ``wait_for_checkpoint`` callable it is given.
 """
 
 from __future__ import annotations
@@ -11,49 +23,54 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..base.errors import NonFiniteError
 from ..stores.tracking.metric_tags import run_tag, tagged_series
+from .progress import Progress
+from .timing import StepTimes
 
 log = logging.getLogger("gwenlake_hpc.run")
 
 
 class RunMetrics:
-    """Metrics of a :class:`gwenlake_hpc.runtime.run.Run` (mixed into it; not used on its own)."""
+    """The metrics of one Run (see the module's docstring for what it owns).
 
-    tracker: Any
-    step: int
-    _summary: dict[str, float]
-    _tagged_series: dict[str, dict[str, str]]
-    _times: dict[str, float]
-    _steps_timed: int
-    _window_start: float
-    _t_step: float
-    _t_block: float
-    _times_logged_step: int | None
-    _on_nonfinite: str
-    _warned_nonfinite: set[str]
+    Args:
+        tracker: a ``gwenlake_hpc.stores.tracking`` Tracker or NullTracker (``log_metrics``, ``set_tags``).
+        times: the Run's time accumulators; ``run.log`` adds its seconds to ``tracking_s``.
+        is_main: whether this process is rank 0 (the one that logs the breakdown and records tags).
+        on_nonfinite: ``stop`` or ``warn`` (``job.on_nonfinite``).
+        wait_for_checkpoint: ``wait_for_checkpoint(raise_error)`` -> the newest sealed checkpoint or None; called
+            before a :class:`NonFiniteError` names the checkpoint that is kept.
 
-    def log(self, metrics: Mapping[str, Any], step: int | None = None, tags: Mapping[str, Any] | None = None) -> None:
-        """Record metric values for a step (default: the current step); never blocks on tracking.
+    Attributes:
+        progress: the loop's progress display (it shows the latest ``loss``), set by the loop; None before.
+    """
 
-        A NaN or infinite value of a loss (a name containing ``loss``) ends the run (``job.on_nonfinite=stop``,
-        the default) before the step's checkpoint can hold diverged weights; other metrics only warn.
+    def __init__(self, tracker: Any, times: StepTimes, is_main: bool, on_nonfinite: str,
+                 wait_for_checkpoint: Callable[[bool], Any]):
+        self.tracker = tracker
+        self.times = times
+        self.is_main = is_main
+        self.on_nonfinite = on_nonfinite
+        self._wait_for_checkpoint = wait_for_checkpoint
+        self.progress: Progress | None = None
+        self.values: dict[str, float] = {}  #: the latest value of every metric logged in this process
+        self._tagged_series: dict[str, dict[str, str]] = {}  # series -> its tags (recorded on the run already)
+        self._warned_nonfinite: set[str] = set()
 
-        Args:
-            metrics: name -> number (Python float/int, numpy scalar or one-element tensor; note that reading
-                a CUDA tensor synchronises the device).
-            step: the step the values belong to (default: the ``step`` or ``epoch`` tag, else ``run.step``).
-            tags: qualifiers from the vocabulary ``split``, ``class``, ``threshold``, ``optimizer``,
-                ``model_version`` (others warn once); each combination is a series of its own, named with the
-                tags sorted: ``auc/class:churn/split:test``, its tags also recorded as the run tag
-                ``gwenlake.metric_tags.<series>``. ``step``/``epoch`` give the x-axis instead (see
-                :mod:`gwenlake_hpc.stores.tracking.metric_tags`).
+    def log(self, metrics: Mapping[str, Any], step: int | None, tags: Mapping[str, Any] | None,
+            current_step: int) -> None:
+        """What ``run.log(metrics, step, tags)`` does (:meth:`gwenlake_hpc.runtime.run.Run.log` documents the
+        arguments and the errors raised): record the values, never blocking on tracking.
+
+        ``current_step`` is the Run's step: the values' step when neither ``step`` nor a ``step``/``epoch`` tag
+        gives one.
 
         Raises:
             ValueError: a bad tag name, or a ``step``/``epoch`` tag that is not a whole number.
-            NonFiniteError: a NaN or infinite loss with ``job.on_nonfinite=stop``.
+            NonFiniteError: a NaN or infinite loss with ``on_nonfinite="stop"``.
         """
         tag_step = None
         if tags:  # the plain path (every step, no tags) does no naming work
@@ -61,16 +78,16 @@ class RunMetrics:
             values = {series_of[k]: float(v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
         else:
             values = {k: float(v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
-        step = int(step) if step is not None else tag_step if tag_step is not None else self.step
+        step = int(step) if step is not None else tag_step if tag_step is not None else current_step
         for k, v in values.items():
             if not math.isfinite(v):
                 self._non_finite(k, v, step)
-        self._summary.update(values)
-        if self._progress is not None and "loss" in values:
-            self._progress.loss = values["loss"]
+        self.values.update(values)
+        if self.progress is not None and "loss" in values:
+            self.progress.loss = values["loss"]
         t0 = time.perf_counter()
         self.tracker.log_metrics(values, step)
-        self._times["tracking"] += time.perf_counter() - t0
+        self.times.tracking_s += time.perf_counter() - t0
 
     def _tagged_names(self, metrics: Mapping[str, Any], tags: Mapping[str, Any]) -> tuple[dict[str, str], int | None]:
         """Series name of each metric under ``tags`` and the step the tags give; records a new series' tags on
@@ -90,33 +107,16 @@ class RunMetrics:
                     self.tracker.set_tags(dict([run_tag(series_of[k], naming)]))
         return series_of, tag_step
 
-    def _log_times(self, step: int, during_step: bool = False) -> None:
-        """Log where the steps since the last evaluation spent their time, in seconds per step.
+    def log_times(self, step: int, during_step: bool = False) -> None:
+        """Log where the steps since the last evaluation spent their time, in seconds per step (rank 0), and
+        begin a new window (:meth:`StepTimes.breakdown`; ``during_step`` as there).
 
-        ``time/input`` waiting for the next batch, ``time/compute`` the step itself minus what follows,
-        ``time/checkpoint`` inside ``run.checkpoint()`` blocks (snapshot or write, and whatever the block
-        does), ``time/tracking`` inside ``run.log()``. Logged at each evaluation step (rank 0), not part of
-        :meth:`summary`: a user sees at a glance whether input, model, checkpoints or tracking is the limit.
-
-        ``during_step``: called from the checkpoint block of ``step`` before its seal; the step and the block
-        count up to now, and what remains of them counts in the next window.
+        Logged at each evaluation step, not part of the summary: a user sees at a glance whether input, model,
+        checkpoints or tracking is the limit.
         """
-        t = self._times
-        n, step_s, checkpoint_s = self._steps_timed, t["step"], t["checkpoint"]
-        now = time.perf_counter()
-        if during_step:
-            n += 1
-            step_s += now - max(self._t_step, self._window_start)
-            checkpoint_s += now - max(self._t_block, self._window_start)
-        n = max(n, 1)
-        compute = max(step_s - checkpoint_s - t["tracking"], 0.0)
-        values = {"time/input": t["input"] / n, "time/compute": compute / n, "time/checkpoint": checkpoint_s / n,
-                  "time/tracking": t["tracking"] / n}
+        values = self.times.breakdown(step, during_step)
         if self.is_main:
             self.tracker.log_metrics(values, step)
-        self._times = dict.fromkeys(t, 0.0)
-        self._steps_timed = 0
-        self._times_logged_step, self._window_start = step, now
 
     def _non_finite(self, key: str, value: float, step: int) -> None:
         """A metric is NaN or infinite: stop on a loss (unless ``warn``), warn once otherwise.
@@ -125,8 +125,8 @@ class RunMetrics:
             NonFiniteError: a loss, with ``on_nonfinite="stop"``; the message names metric, step, the
                 newest checkpoint (kept) and the setting that lets the run go on.
         """
-        if "loss" in key.lower() and self._on_nonfinite == "stop":
-            ck = self.wait_for_checkpoint(raise_error=False)
+        if "loss" in key.lower() and self.on_nonfinite == "stop":
+            ck = self._wait_for_checkpoint(False)
             raise NonFiniteError(
                 f"metric {key!r} is {value} at step {step}: the training diverged or its data holds NaN; the "
                 f"newest checkpoint ({ck.path if ck else 'none'}) is kept. Lower the learning rate or clean the "
@@ -135,10 +135,8 @@ class RunMetrics:
             self._warned_nonfinite.add(key)
             log.warning("metric %r is %s at step %d (and may be again: warned once)", key, value, step)
 
-    def summary(self) -> dict[str, float]:
-        """The latest value of every metric logged in this process, plus ``step`` (the last step done).
+    def summary(self, step: int) -> dict[str, float]:
+        """The latest value of every metric logged in this process, plus ``step`` (the Run's last step done).
 
-        Waits for a checkpoint still being written (its metrics are part of the summary).
-        """
-        self.wait_for_checkpoint()
-        return {**self._summary, "step": float(self.step)}
+        The caller waits for a checkpoint in flight first (its metrics are part of the summary)."""
+        return {**self.values, "step": float(step)}

@@ -126,7 +126,7 @@ def test_one_in_flight_and_buffers_reused(tmp_path, monkeypatch):
                     second_entered.set()
                 with run.checkpoint(keep=2) as ck:
                     save_state(ck.path("state.safetensors"), model=model, optimizer=opt)
-                pointers.append(run._buffers.buffers[0]._buf.data_ptr())
+                pointers.append(run._checkpoints.buffers.buffers[0]._buf.data_ptr())
 
     t = threading.Thread(target=train)
     t.start()
@@ -140,7 +140,7 @@ def test_one_in_flight_and_buffers_reused(tmp_path, monkeypatch):
     assert not t.is_alive()
     steps = [ck.step for ck in run.store.complete()]
     assert steps == [30, 40]  # keep=2, applied by the writer after each seal
-    assert len(set(pointers)) == 1 and run._buffers.buffers[0].allocations == 1
+    assert len(set(pointers)) == 1 and run._checkpoints.buffers.buffers[0].allocations == 1
 
 
 def test_failed_background_write_fails_the_loop_and_keeps_the_previous(tmp_path, monkeypatch):

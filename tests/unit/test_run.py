@@ -1,9 +1,11 @@
 """Run: step numbering, at_eval, eviction at step boundaries, resume with computed data position."""
 
+import gc
 import logging
 import math
 import os
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -444,3 +446,24 @@ def test_an_evaluation_steps_time_breakdown_is_made_durable_with_its_checkpoint(
     # Seconds per step over windows of 4 steps: disjoint parts of the loop, so they add up to no more than its time.
     assert sum(4 * sum(b.values()) for b in breakdowns) <= elapsed_s
     assert breakdowns[0]["time/checkpoint"] > 0 and breakdowns[2]["time/checkpoint"] > 0  # the blocks at 4 and 12
+
+
+def test_a_finished_run_frees_its_checkpoint_buffers_without_a_gc_pass(tmp_path):
+    # The Run's parts must not hold each other in a cycle: the host buffers of asynchronous snapshots (pinned
+    # memory on a GPU) would outlive the Run until the next GC pass, and a second Run in the process add its own.
+    model = torch.nn.Linear(3, 2)
+    gc.disable()
+    try:
+        run = make_run(tmp_path, steps=4, eval_every=2, checkpoint_async=True)
+        for _step, _ in run.steps():
+            run.log({"loss": 0.5})
+            if run.at_eval:
+                with run.checkpoint(keep=1) as ck:
+                    save_state(ck.path("state.safetensors"), model=model)
+                    ck.metrics = {"auc": 0.5}
+        assert run.summary()["auc"] == 0.5
+        buffers = weakref.ref(run._checkpoints.buffers)
+        del run, ck
+        assert buffers() is None
+    finally:
+        gc.enable()

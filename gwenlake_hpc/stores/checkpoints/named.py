@@ -30,7 +30,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ...base.errors import CheckpointError, ConfigError
-from ...base.fsutil import fsync_dir, mkdtemp, write_atomic
+from ...base.fsutil import fsync_dir, mkdtemp, write_atomic, write_json_atomic
 
 NAMED_DIR = "named"
 LATEST_FILE = "latest.json"
@@ -111,20 +111,23 @@ def save_named(model_root: Path, name: str, model: Any, *, run_key: str, step: i
         sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
         info = {"name": name, "run_key": run_key, "step": int(step), "time": time.time(), "metadata": meta,
                 "files": sizes}
-        write_atomic(tmp / INFO_FILE, (json.dumps(info, indent=2, sort_keys=True) + "\n").encode())
+        write_json_atomic(tmp / INFO_FILE, info)
         fsync_dir(tmp)
         dest = store / name
         with _lock(store):
             for stale in store.glob(".old-*"):  # left by a writer killed between its two renames
                 shutil.rmtree(stale, ignore_errors=True)
             old = None
+            # A folder is swapped in here, so fsutil's file routines do not apply; the folder protocol gives
+            # the same guarantee: every file in tmp and tmp itself are fsynced above, and the store's
+            # directory is fsynced after the rename below.
             if dest.exists() and _exchange(tmp, dest):
                 old = tmp  # readers saw the old folder, then the new one: never none
             else:
                 if dest.exists():  # no RENAME_EXCHANGE here (an old kernel, some network filesystems)
                     old = store / f".old-{name}-{os.getpid()}-{time.monotonic_ns()}"
-                    os.rename(dest, old)
-                os.rename(tmp, dest)
+                    os.rename(dest, old)  # folders: the protocol above, not fsutil
+                os.rename(tmp, dest)  # folders: the protocol above, not fsutil
             fsync_dir(store)
             write_atomic(store / LATEST_FILE, (json.dumps({"name": name, "run_key": run_key, "step": int(step),
                                                            "time": info["time"]}) + "\n").encode())

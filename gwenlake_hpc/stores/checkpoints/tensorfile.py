@@ -19,6 +19,7 @@ which lets a snapshot copy straight into a typed view of the buffer.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import mmap
@@ -26,14 +27,14 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
 from ...base.errors import DamagedFileError  # noqa: F401 - raised here, defined with the other errors
 
 from ...base.errors import CheckpointError
-from ...base.fsutil import fsync_dir, mkstemp
+from ...base.fsutil import atomic_file
 from .digest import CHUNK_BYTES, DEFAULT_ALGORITHM, new_hasher
 
 #: torch dtype -> safetensors dtype name (the names of safetensors' format specification).
@@ -113,17 +114,22 @@ def _write_all(fd: int, data: memoryview, hasher: Any) -> None:
             chunk = chunk[n:]
 
 
-def _open_temp(path: Path) -> tuple[int, Path]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = mkstemp(path.parent, prefix=f".{path.name}.")
-    return fd, Path(tmp)
+def _write_file(path: Path, chunks: Iterable[memoryview], hasher: Any) -> None:
+    """Stream ``chunks`` into ``path`` through :func:`atomic_file`, hashing them on the way.
 
-
-def _finish_temp(fd: int, tmp: Path, path: Path) -> None:
-    os.fsync(fd)
-    os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    The bytes go from the tensors' memory to the file descriptor by ``os.write`` (the file object's buffer
+    is bypassed, so nothing is copied again); :func:`atomic_file` then does the one fsync, the rename and the
+    directory fsync, and removes the temporary file if anything raises. An OSError without a file name
+    (``os.write``'s) is raised again naming ``path``.
+    """
+    try:
+        with atomic_file(path) as fh:
+            fd = fh.fileno()
+            for chunk in chunks:
+                _write_all(fd, chunk, hasher)
+                del chunk  # a tensor's host copy goes before the next is made: one at a time at most
+    except OSError as exc:
+        _raise_with_path(exc, path)
 
 
 def write_tensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
@@ -140,19 +146,9 @@ def write_tensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
         CheckpointError: see :func:`layout`. OSError: the write failed (the temporary file is removed).
     """
     lay = layout(tensors, metadata)
-    path = Path(path)
     hasher = new_hasher(algorithm)
-    fd, tmp = _open_temp(path)
-    try:
-        _write_all(fd, memoryview(lay.header), hasher)
-        for _name, t, begin, end in lay.entries:
-            if end > begin:
-                _write_all(fd, _host_bytes(t), hasher)
-        _finish_temp(fd, tmp, path)
-    except BaseException as exc:
-        _close_quietly(fd)
-        tmp.unlink(missing_ok=True)
-        _raise_with_path(exc, path)
+    chunks = (_host_bytes(t) for _name, t, begin, end in lay.entries if end > begin)
+    _write_file(Path(path), itertools.chain([memoryview(lay.header)], chunks), hasher)
     return lay.size, hasher.hexdigest()
 
 
@@ -161,13 +157,6 @@ def _raise_with_path(exc: BaseException, path: Path) -> None:
     if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
         raise OSError(exc.errno, exc.strerror, str(path)) from exc
     raise exc
-
-
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
 
 
 class HostBuffer:
@@ -223,16 +212,8 @@ class Snapshot:
         """Write the snapshot to ``path`` (atomically, fsynced); returns ``(size, hex digest)``."""
         for ev in self._events:
             ev.synchronize()
-        path = Path(path)
         hasher = new_hasher(algorithm)
-        fd, tmp = _open_temp(path)
-        try:
-            _write_all(fd, memoryview(self._buf.numpy()), hasher)
-            _finish_temp(fd, tmp, path)
-        except BaseException as exc:
-            _close_quietly(fd)
-            tmp.unlink(missing_ok=True)
-            _raise_with_path(exc, path)
+        _write_file(Path(path), [memoryview(self._buf.numpy())], hasher)
         return self.layout.size, hasher.hexdigest()
 
 

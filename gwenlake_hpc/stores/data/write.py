@@ -16,13 +16,16 @@ import h5py
 import numpy as np
 
 from gwenlake_hpc.base.errors import DataError
-from gwenlake_hpc.base.fsutil import fsync_dir, mkstemp
+from gwenlake_hpc.base.fsutil import mkstemp, publish
 
 from .format import FORMAT_VERSION, RESERVED_ATTRS, STRING_DTYPE, normalize_columns
 from .names import dataset_path
 from .revision import content_revision, stored_revision
 
 log = logging.getLogger(__name__)
+
+#: Some shared file systems refuse to open a directory; the file itself is fsynced before the rename anyway.
+_BEST_EFFORT_DIR = True
 
 
 def write_dataset(
@@ -63,7 +66,7 @@ def write_dataset(
                 else:
                     f.create_dataset(col, data=arr)
             _write_root_attrs(f, revision, list(norm), user_attrs)
-        _publish(tmp, path)
+        publish(tmp, path, best_effort_dir=_BEST_EFFORT_DIR)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -179,7 +182,7 @@ class DatasetWriter:
             _write_root_attrs(self._file, revision, list(self._schema), self._attrs)
             self._file.close()
             self._file = None
-            _publish(self._tmp, self.path)
+            publish(self._tmp, self.path, best_effort_dir=_BEST_EFFORT_DIR)
         except BaseException:
             self.abort()
             raise
@@ -264,10 +267,3 @@ def _write_root_attrs(f: h5py.File, revision: str, columns: list[str], user_attr
         f.attrs[key] = value
     f.flush()
 
-
-def _publish(tmp: Path, path: Path) -> None:
-    """fsync the closed file ``tmp``, rename it over ``path``, fsync the directory."""
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent, best_effort=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Mapping
 
 from ...base.errors import GwenlakeError
+from ...base.fsutil import mkstemp, publish
 from .gitcmd import PathLike, run_git, stream_git
 
 __all__ = ["LFS_POINTER_MAX", "lfs_config_env", "is_lfs_pointer", "smudge_pointers"]
@@ -81,15 +82,19 @@ def smudge_pointers(cwd: PathLike, env: Mapping[str, str], out_dir: Path) -> int
             if shutil.which("git-lfs") is None:
                 raise GwenlakeError(f"{path.name} is stored with git-lfs but git-lfs is not installed;"
                                     " install it (Debian: apt-get install git-lfs) to read this version")
-            tmp = path.with_name(f".{name}.smudge")
             # GIT_LFS_SKIP_SMUDGE=1 (common in CI clones) would make smudge echo the pointer back.
             smudge_env = {k: v for k, v in {**os.environ, **env}.items() if k != "GIT_LFS_SKIP_SMUDGE"}
-            with open(tmp, "wb") as fh:
-                proc = stream_git(cwd, smudge_env, ["lfs", "smudge", "--", name], pointer, fh, timeout_s=3600)
-            if proc.returncode != 0 or (tmp.stat().st_size < LFS_POINTER_MAX and is_lfs_pointer(tmp.read_bytes())):
-                tmp.unlink(missing_ok=True)
-                raise GwenlakeError(f"git lfs smudge of {path.name} failed (exit {proc.returncode}):"
-                                    f" {proc.stderr.decode(errors='replace').strip()[-500:] or 'it gave the pointer back'}")
-            os.replace(tmp, path)
+            fd, tmp = mkstemp(path.parent, prefix=f".{name}.", suffix=".smudge")
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    proc = stream_git(cwd, smudge_env, ["lfs", "smudge", "--", name], pointer, fh, timeout_s=3600)
+                size = os.stat(tmp).st_size
+                if proc.returncode != 0 or (size < LFS_POINTER_MAX and is_lfs_pointer(Path(tmp).read_bytes())):
+                    why = proc.stderr.decode(errors="replace").strip()[-500:] or "it gave the pointer back"
+                    raise GwenlakeError(f"git lfs smudge of {path.name} failed (exit {proc.returncode}): {why}")
+                publish(tmp, path)  # git-lfs wrote the file: fsync, rename over the pointer, fsync the folder
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
             count += 1
     return count

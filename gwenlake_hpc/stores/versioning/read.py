@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from ...base.errors import ConfigError
-from ...base.fsutil import mkdtemp
+from ...base.fsutil import fsync_dir, mkdtemp
 from ...base.names import is_hex_id, split_model_name
 from .gitcmd import PathLike, git, rev
 from .lfs import smudge_pointers
@@ -156,7 +156,31 @@ def export_version(repo: git.Repo | PathLike, model_name: str, version: str,
         staging = Path(mkdtemp(dest.parent, prefix=f".{dest.name}.export-"))
         try:
             reader.checkout(sha, None, staging)
+            # Callers treat an existing dest as a finished export and never export again (a job restarted
+            # after a node failure reuses it), so the files must be on disk before the name appears: fsync
+            # the tree, rename the folder (fsutil's routines replace files, not folders), fsync the parent.
+            _fsync_tree(staging / reader.prefix)
             os.rename(staging / reader.prefix, dest)
+            fsync_dir(dest.parent, best_effort=True)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return dest
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every regular file under ``root`` and every folder, ``root`` included (symlinks are not followed).
+
+    Raises:
+        OSError: a file cannot be opened or synced.
+    """
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath, best_effort=True)  # as the export did without it, where a folder cannot be opened
