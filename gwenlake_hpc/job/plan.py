@@ -276,40 +276,6 @@ def plan(cfg: DictConfig | Mapping[str, Any], cache: PlanCache | None = None) ->
                    run_dir=runs_root / tf.output.name / key)
 
 
-def finished_with(info: Mapping[str, Any], steps: int | None, epochs: int | None) -> dict[str, Any] | None:
-    """The completion in ``run.json`` (``info``) of a training of ``steps``/``epochs`` that committed a version,
-    newest first; None when there is none (the run must train)."""
-    for done in reversed(info.get("completions") or ([info["completed"]] if info.get("completed") else [])):
-        if done.get("steps") == steps and done.get("epochs") == epochs and done.get("version"):
-            return dict(done)
-    return None
-
-
-def check_resume_point(p: JobPlan) -> None:
-    """Refuse settings the run directory's checkpoints rule out, before the job trains or is submitted.
-
-    Reads ``run.json`` and the checkpoints' manifests (nothing is written). A run that already finished with
-    these ``steps``/``epochs`` passes: the job prints its version.
-
-    Raises:
-        ConfigError: ``job.resume=never`` with checkpoints of this run, or ``job.steps`` below the newest
-            checkpoint's step (nothing is deleted; the message says what to change).
-    """
-    from ..stores.checkpoints import CheckpointStore
-    from ..base.fsutil import read_json
-
-    if finished_with(read_json(p.run_dir / "run.json", default=None) or {}, p.steps, p.epochs) is not None:
-        return
-    folder = p.run_dir / "checkpoints"
-    existing = CheckpointStore(folder, p.key).complete() if folder.is_dir() else []
-    if p.resume == "never" and existing:
-        raise ConfigError(f"job.resume=never but {folder} already holds checkpoints of this run; nothing is "
-                          "deleted: move them away or use job.resume=auto")
-    if p.steps is not None and existing and existing[-1].step > p.steps:
-        raise ConfigError(f"job.steps={p.steps} is below step {existing[-1].step} of this run's newest checkpoint; "
-                          f"use job.steps>={existing[-1].step}, or a new run name (job.model=...)")
-
-
 def _effective(job: JobConfig, tf: TrainFunction) -> JobConfig:
     """``job`` with what it leaves null taken from the decorator (``@train(steps=, seed=...)``), checked again
     by :class:`JobConfig`'s rules (``dataclasses.replace`` runs ``__post_init__``).

@@ -367,7 +367,8 @@ def _plan_main(overrides: list[str]) -> int:
     from hydra import compose, initialize_config_dir
 
     from ..job.config import conf_dir, register
-    from ..job.plan import check_resume_point, plan
+    from ..job.plan import plan
+    from ..job.resume import resume_point
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     register()
@@ -379,7 +380,7 @@ def _plan_main(overrides: list[str]) -> int:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="gwenlake_plan"):
             cfg = compose(config_name="config", overrides=overrides)
         p = plan(cfg)
-        check_resume_point(p)  # refused here, not after hours in the queue
+        resume_point(p)  # refused here, not after hours in the queue
         container = _plan_container(p, cfg, ctr) if ctr else None
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -338,11 +338,12 @@ def submit(cfg: DictConfig) -> Submission | None:
         ConfigError: bad launcher values, missing secrets, a job config error found at planning.
         GwenlakeError: ``sbatch`` failed (its message is included).
     """
-    from ..job.plan import check_resume_point, plan
+    from ..job.plan import plan
+    from ..job.resume import resume_point
     from ..stores.tracking import is_sqlite
 
     p = plan(cfg)
-    check_resume_point(p)  # refused here, not after hours in the queue
+    resume_point(p)  # refused here, not after hours in the queue
     cfg = copy.deepcopy(cfg)
     cfg.launcher = with_declared(cfg.launcher, p.tf.resources)  # @train(cpu=, memory=, gpu=...) under launcher.*
     lc = cfg.launcher
