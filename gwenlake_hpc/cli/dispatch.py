@@ -193,7 +193,8 @@ def run_hydra(argv: Sequence[str]) -> int:
     """
     import hydra
 
-    from ..job.config import check_group_choices, check_keys, conf_dir, register
+    from ..job.config import conf_dir, register
+    from ..job.config_files import check_group_choices, check_keys
     from ..runtime.signals import process_stop, release_early
 
     register()

@@ -28,7 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..authoring.api import Input, Model, TrainFunction, resolve_params
 from ..stores.checkpoints.writer import async_default
-from .config import GwenlakeConfig, JobConfig, typed
+from .config import GwenlakeConfig, JobConfig
+from .config_typed import typed
 from ..stores.data import Catalog
 from ..base.errors import ConfigError
 from ..stores.tracking import default_uri, is_sqlite, sqlite_path, validate_uri
@@ -232,14 +233,14 @@ def plan(cfg: DictConfig | Mapping[str, Any], cache: PlanCache | None = None) ->
     ``cache``: the facts shared by the tasks of one sweep (see :class:`PlanCache`); None reads everything.
 
     Raises:
-        ConfigError: no job, bad target, a setting a rule refuses (:func:`gwenlake_hpc.job.config.typed`), bad
+        ConfigError: no job, bad target, a setting a rule refuses (:func:`gwenlake_hpc.job.config_typed.typed`), bad
             params, bad tracking URI, missing or malformed dataset, unknown initial model version.
     """
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.create(cfg)
     if OmegaConf.select(cfg, "job.target", default=None) is None or OmegaConf.is_missing(cfg.job, "target"):
         raise ConfigError("no job given: add +job=NAME (a file conf/job/NAME.yaml) or job.target=module:function")
-    settings = typed(cfg)  # every key's type and rule checked (config.py), before the function is imported
+    settings = typed(cfg)  # every key's type and rule checked (config_typed.py), before the function is imported
     tf = load_target(settings.job.target)
     job = _effective(settings.job, tf)
     settings = dataclasses.replace(settings, job=job)

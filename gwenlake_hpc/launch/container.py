@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..base import rules
-from ..job.config import ContainerConfig, typed_launcher
+from ..job.config import ContainerConfig
+from ..job.config_typed import typed_launcher
 from ..base.errors import ConfigError
 from ..job.run_environment import ENV_DIGEST, ENV_HOST_MNT_NS, ENV_IMAGE, ENV_PIN, ENV_RUNTIME, ENV_RUNTIME_VERSION
 

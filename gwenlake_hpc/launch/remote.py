@@ -38,7 +38,7 @@ from typing import Any, Mapping, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..job.config import launcher_node, typed_cluster, typed_launcher
+from ..job.config_typed import launcher_node, typed_cluster, typed_launcher
 from ..base.errors import EXIT_USAGE, ConfigError, GwenlakeError
 from ..authoring.resources import Resources
 from ..base.rules import has_control

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig
 
-from ..job.config import typed_launcher
+from ..job.config_typed import typed_launcher
 from ..base.errors import ConfigError, GwenlakeError
 from . import status as slurm_status
 from .slurm import (SlurmEntry, Submission, make_executor, step_parts, check_secrets, container_step,

@@ -42,7 +42,8 @@ def test_output_path_escape(project):
 def test_a_cluster_file_with_only_the_connection_keys_takes_the_launcher_defaults(project, schema_line):
     from hydra import compose, initialize_config_dir
 
-    from gwenlake_hpc.job.config import SlurmLauncherConfig, register, typed_cluster
+    from gwenlake_hpc.job.config import SlurmLauncherConfig, register
+    from gwenlake_hpc.job.config_typed import typed_cluster
     from gwenlake_hpc.launch.remote import effective_launcher
 
     head = "defaults:\n  - cluster_schema\n  - _self_\n" if schema_line else ""
