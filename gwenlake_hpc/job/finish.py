@@ -62,11 +62,13 @@ class Start:
 
     Attributes:
         tracker: the MLflow tracker (a NullTracker with tracking off or on ranks other than 0).
-        info: the run's record (``run.json``), this start appended; written to ``info_path``.
+        info: the run's record (``run.json``), this start appended.
+        info_path: where ``info`` is written (``<run_dir>/run.json``).
         code: the code state (commit, dirty flag) the version's lineage names.
         stop: the stop flag the signal handlers set.
         finish_timeout: seconds the end waits for tracking (``tracking.finish_timeout_s``).
-        inputs: the Input datasets the function was given (their schema goes into the version's serving info).
+        inputs: the Input datasets the function was given, by parameter name, set once it returned (their
+            schema goes into the version's serving info).
     """
 
     tracker: Any
