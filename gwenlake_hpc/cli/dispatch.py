@@ -193,51 +193,92 @@ def run_hydra(argv: Sequence[str]) -> int:
     """
     import hydra
 
-    from ..job.config import check_group_choices, check_keys, conf_dir, register
-    from ..runtime.signals import process_stop, release_early
+    from ..job.config import conf_dir, register
 
     register()
     state = {"started": False, "code": 0}
 
     @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
     def _task(cfg) -> None:  # type: ignore[no-untyped-def]
-        from ..job.execute import execute
-
         state["started"] = True
-        _setup_logging()
-        try:  # here, not at planning: a cluster= job is planned on the cluster, after the transfer
-            check_keys(cfg)
-        except GwenlakeError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            state["code"] = exc.exit_code
-            return
-        submits = cfg.get("cluster") is not None or cfg.launcher.get("name") == "slurm"
-        if submits:  # Ctrl-C must interrupt a submission or its wait at once
-            early = release_early()
-            if early is not None and early.signum is not None:
-                state["code"] = 128 + int(early.signum)
-                return
-        if cfg.get("cluster") is not None:  # cluster=NAME: submit over SSH (launch/remote.py)
-            from ..launch.remote import cli_submit
-
-            state["code"] = cli_submit(cfg)
-        elif cfg.launcher.get("name") == "slurm":
-            state["code"] = _submit_slurm(cfg)
-        else:
-            state["code"] = execute(cfg, stop=process_stop()).exit_code
+        state["code"] = _run_task(cfg)
 
     argv = list(argv)
+    refused = _refuse_before_hydra(argv, conf_dir())
+    if refused is not None:
+        return refused
+    _choose_sweep_launcher(argv)
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "gwenlake_hpc", *argv]
+    if "gwenlake_hpc.launch.sweep" in sys.modules:
+        sys.modules["gwenlake_hpc.launch.sweep"].LAST_SWEEP = None  # type: ignore[attr-defined]
+    try:
+        _task()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if _swept() is not None:
+            return int(_swept())  # type: ignore[arg-type]
+        if not state["started"] and code == 1:
+            return EXIT_USAGE
+        return code if not state["started"] else (state["code"] or code)
+    finally:
+        sys.argv = saved
+    return int(state["code"]) if _swept() is None else int(_swept())  # type: ignore[arg-type]
+
+
+def _run_task(cfg) -> int:  # type: ignore[no-untyped-def]
+    """The Hydra task of a composed config: its keys checked, then submitted over SSH (``cluster=``), to SLURM
+    (``launcher=slurm``) or run here; returns the exit status."""
+    from ..job.config_files import check_keys
+    from ..job.execute import execute
+    from ..runtime.signals import process_stop, release_early
+
+    _setup_logging()
+    try:  # here, not at planning: a cluster= job is planned on the cluster, after the transfer
+        check_keys(cfg)
+    except GwenlakeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    submits = cfg.get("cluster") is not None or cfg.launcher.get("name") == "slurm"
+    if submits:  # Ctrl-C must interrupt a submission or its wait at once
+        early = release_early()
+        if early is not None and early.signum is not None:
+            return 128 + int(early.signum)
+    if cfg.get("cluster") is not None:  # cluster=NAME: submit over SSH (launch/remote.py)
+        from ..launch.remote import cli_submit
+
+        return cli_submit(cfg)
+    if cfg.launcher.get("name") == "slurm":
+        return _submit_slurm(cfg)
+    return execute(cfg, stop=process_stop()).exit_code
+
+
+def _refuse_before_hydra(argv: Sequence[str], conf: Path) -> int | None:
+    """The exit status of a command line refused before Hydra reads it (the reason printed), or None.
+
+    What Hydra would report with a traceback or without naming the key: an unquoted non-ASCII value, a
+    ``GROUP=null``, a broken config file (:func:`gwenlake_hpc.job.config_files.check_group_choices`).
+    """
+    from ..job.config_files import check_group_choices
+
     for arg in argv:  # Hydra's lexer refuses unquoted non-ASCII values with no hint: say how to quote them
         key, eq, value = arg.partition("=")
         if eq and not value.startswith(("'", '"')) and not value.isascii():
             print(f"error: {arg}: Hydra's override grammar takes non-ASCII characters only inside quotes; write "
                   f"{key}='{value}' (in a shell: \"{key}='{value}'\")", file=sys.stderr)
             return EXIT_USAGE
-    try:  # what Hydra would report with a traceback, or without naming the key
-        check_group_choices(argv, conf_dir())
+    try:
+        check_group_choices(argv, conf)
     except GwenlakeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    return None
+
+
+def _choose_sweep_launcher(argv: list[str]) -> None:
+    """A ``-m launcher=slurm`` sweep becomes one job array: our Hydra launcher and sweeper are added to ``argv``."""
+    from ..runtime.signals import release_early
+
     if ("-m" in argv or "--multirun" in argv) and "launcher=slurm" in argv \
             and not any(a.startswith("hydra/launcher=") for a in argv):
         argv.append("hydra/launcher=gwenlake_slurm")  # the sweep becomes one job array
@@ -245,28 +286,13 @@ def run_hydra(argv: Sequence[str]) -> int:
             argv.append("hydra/sweeper=gwenlake_basic")  # the launcher checks every task: no composition twice
     if any(a.startswith("hydra/launcher=") for a in argv):
         release_early()  # a launcher plug-in submits (and may wait): Ctrl-C must interrupt it at once
-    saved = sys.argv
-    sys.argv = [saved[0] if saved else "gwenlake_hpc", *argv]
-    def swept() -> int | None:
-        # A sweep submitted as a job array (the launcher plug-in imported the module): its tasks decide.
-        sweep = sys.modules.get("gwenlake_hpc.launch.sweep")
-        tasks = getattr(sweep, "LAST_SWEEP", None)
-        return None if tasks is None else sweep.sweep_exit_status(tasks)  # type: ignore[union-attr]
 
-    if "gwenlake_hpc.launch.sweep" in sys.modules:
-        sys.modules["gwenlake_hpc.launch.sweep"].LAST_SWEEP = None  # type: ignore[attr-defined]
-    try:
-        _task()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if swept() is not None:
-            return int(swept())  # type: ignore[arg-type]
-        if not state["started"] and code == 1:
-            return EXIT_USAGE
-        return code if not state["started"] else (state["code"] or code)
-    finally:
-        sys.argv = saved
-    return int(state["code"]) if swept() is None else int(swept())  # type: ignore[arg-type]
+
+def _swept() -> int | None:
+    """A sweep submitted as a job array (the launcher plug-in imported the module): its tasks' exit status."""
+    sweep = sys.modules.get("gwenlake_hpc.launch.sweep")
+    tasks = getattr(sweep, "LAST_SWEEP", None)
+    return None if tasks is None else sweep.sweep_exit_status(tasks)  # type: ignore[union-attr]
 
 
 def _submit_slurm(cfg) -> int:  # type: ignore[no-untyped-def]

@@ -14,13 +14,14 @@ import sys
 import time
 import traceback
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from ..authoring.api import Input, Model, Output
+from ..authoring.api import Input, Model
 from ..stores.checkpoints import DamagedFileError
 from ..runtime.distributed import Dist
 from ..runtime.distributed import setup as setup_distributed
@@ -28,7 +29,9 @@ from ..runtime.distributed import teardown as teardown_distributed
 from ..base.errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, NonFiniteError, StartLimitError
 from .finish import JobResult, Start, finish
 from ..base.fsutil import read_json, write_json_atomic
-from .plan import JobPlan, check_resume_point, finished_with, open_inputs, plan
+from .arguments import bind_arguments
+from .plan import JobPlan, open_inputs, plan
+from .resume import finished_with, resume_point, retry_after_damaged_load
 from .run_environment import check_same_image, container_start
 from ..base.processes import shield_children
 from ..runtime.signals import StopRequest
@@ -110,28 +113,28 @@ def _execute_rank(cfg: Any, stop: StopRequest, d: Dist) -> JobResult:
     p = plan(cfg)
     statsd = p.settings.statsd
     configure_statsd(statsd.host, statsd.port, statsd.prefix)  # exported to child processes
-    run_dir = p.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    kwargs: dict[str, Any] = open_inputs(p)  # the revisions the plan read, or a ConfigError
-    for name, b in p.tf.bindings.items():
-        if isinstance(b, Output):
-            # Rank 0's output is committed; the others' (identical model) go to a scratch folder.
-            out = run_dir / "output" if d.is_main else run_dir / ".ranks" / f"rank-{d.rank:05d}" / "output"
-            kwargs[name] = b.bind(out)
-        elif isinstance(b, Model):
-            version = p.model_versions[name].rsplit("@", 1)[1]
-            dest = run_dir / "init_models" / name / version
-            if d.is_main and not dest.exists():
-                export_version(p.model_repo(create=False), b.name, version, dest)
-            kwargs[name] = b.bind(dest, version)
+    p.run_dir.mkdir(parents=True, exist_ok=True)
+    # Rank 0's output is committed; the others' (identical model) go to a scratch folder.
+    out = p.run_dir / "output" if d.is_main else p.run_dir / ".ranks" / f"rank-{d.rank:05d}" / "output"
+    kwargs = bind_arguments(p.tf, out, open_inputs(p),  # the revisions the plan read, or a ConfigError
+                            lambda name, b: _initial_model(p, name, b, d))
     if not d.is_main:
         return _execute_locked(p, kwargs, stop, d)  # rank 0 holds the run's lock for all ranks
     d.barrier()
-    lock = RunLock(run_dir)  # one process per run directory: a second one would fork the history
+    lock = RunLock(p.run_dir)  # one process per run directory: a second one would fork the history
     try:
         return _execute_locked(p, kwargs, stop, d)
     finally:
         lock.release()
+
+
+def _initial_model(p: JobPlan, name: str, b: Model, d: Dist) -> tuple[Path, str]:
+    """The folder of the planned version of ``Model`` binding ``name`` (exported by rank 0 once) and its version."""
+    version = p.model_versions[name].rsplit("@", 1)[1]
+    dest = p.run_dir / "init_models" / name / version
+    if d.is_main and not dest.exists():
+        export_version(p.model_repo(create=False), b.name, version, dest)
+    return dest, version
 
 
 class RunLock:
@@ -179,28 +182,52 @@ class RunLock:
 
 
 def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Dist) -> JobResult:
-    tf, run_dir, key, model_name = p.tf, p.run_dir, p.key, p.model_name
-    steps, epochs, eval_every, seed, run_name = p.steps, p.epochs, p.eval_every, p.seed, p.run_name
-    params, datasets, dataset_facts, model_versions = p.params, p.datasets, p.dataset_facts, p.model_versions
-    tracking_on, tracking_uri, runs_root = p.tracking_on, p.tracking_uri, p.runs_root
-    info_path = run_dir / "run.json"
+    info_path = p.run_dir / "run.json"
+    info = _run_record(p, info_path)
+    done = finished_with(info, p.steps, p.epochs)
+    if done is not None:
+        return _already_finished(p, done, d)
+    point = resume_point(p)  # job.resume=never, job.steps below the newest checkpoint
+    if d.is_main:
+        log.info("resume point: %s", point.why)
+    container = _record_start(p, info, info_path, d)
+    code = code_state(Path(sys.modules[p.tf.fn.__module__].__file__ or ".").resolve().parent
+                      if getattr(sys.modules.get(p.tf.fn.__module__), "__file__", None) else Path.cwd())
+    reporting = _open_tracking(p, info, code, container, d)
+    start = Start(reporting.tracker, info, info_path, code, stop, p.settings.tracking.finish_timeout_s, {})
+    return _train(p, kwargs, d, reporting, start)
+
+
+def _run_record(p: JobPlan, info_path: Path) -> dict[str, Any]:
+    """The run's record (``run.json``) as earlier starts left it, or a new one from the plan."""
     info = read_json(info_path, default=None) or {
-        "run_key": key, "model": model_name, "run_name": run_name, "target": tf.target, "params": params,
-        "seed": seed, "datasets": dataset_facts, "init_models": model_versions, "created": time.time(),
-        "starts": [], "completed": None,
+        "run_key": p.key, "model": p.model_name, "run_name": p.run_name, "target": p.tf.target,
+        "params": p.params, "seed": p.seed, "datasets": p.dataset_facts, "init_models": p.model_versions,
+        "created": time.time(), "starts": [], "completed": None,
     }
     # Tells this run directory from another one of the same run key (another runs_root): a version records it.
     info.setdefault("uid", uuid.uuid4().hex)
-    done = finished_with(info, steps, epochs)
-    if done is not None:
-        log.info("run %s already finished at step %s; nothing to train", run_dir, done.get("final_step"))
-        if d.is_main and tracking_on:
-            _complete_pending_registrations(state_dir_for(run_dir, tracking_uri), tracking_uri)
-        if d.is_main:
-            print(f"model {model_name} version {done['version']}", flush=True)
-        return JobResult(0, done["version"], run_dir, done.get("final_step"))
-    check_resume_point(p)  # job.resume=never, job.steps below the newest checkpoint
+    return info
 
+
+def _already_finished(p: JobPlan, done: Mapping[str, Any], d: Dist) -> JobResult:
+    """A rerun of a run that committed a version for these steps/epochs: nothing trains, its version is printed."""
+    log.info("run %s already finished at step %s; nothing to train", p.run_dir, done.get("final_step"))
+    if d.is_main and p.tracking_on:
+        _complete_pending_registrations(state_dir_for(p.run_dir, p.tracking_uri), p.tracking_uri)
+    if d.is_main:
+        print(f"model {p.model_name} version {done['version']}", flush=True)
+    return JobResult(0, done["version"], p.run_dir, done.get("final_step"))
+
+
+def _record_start(p: JobPlan, info: dict[str, Any], info_path: Path, d: Dist) -> dict[str, Any] | None:
+    """Append this start (time, host, pid, SLURM facts, container) to ``info`` and write it (rank 0).
+
+    Returns the container this start runs in (``launcher.container``), None without one.
+
+    Raises:
+        ConfigError: the image changed while pinned (before anything is written).
+    """
     start = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), **slurm_facts()}
     if d.enabled:
         start["world_size"] = d.world_size
@@ -211,71 +238,89 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     info["starts"].append(start)
     if d.is_main:
         write_json_atomic(info_path, info)
-    log.info("run directory: %s (rank %d of %d)", run_dir, d.rank, d.world_size)
+    log.info("run directory: %s (rank %d of %d)", p.run_dir, d.rank, d.world_size)
+    return container
 
-    code = code_state(Path(sys.modules[tf.fn.__module__].__file__ or ".").resolve().parent
-                      if getattr(sys.modules.get(tf.fn.__module__), "__file__", None) else Path.cwd())
-    if tracking_on and d.is_main:  # rank 0 alone reports
-        tags = dict(tf.resources.metadata)  # @train(metadata={...}); ours below win on a clash
-        tags.update({"gwenlake.run_key": key, "gwenlake.target": tf.target, "gwenlake.host": socket.gethostname(),
-                     "gwenlake.restarts": str(len(info["starts"]) - 1)})
-        tags.update({f"gwenlake.dataset.{n}": v for n, v in datasets.items()})
-        tags.update({f"gwenlake.init_model.{n}": v for n, v in model_versions.items()})
-        if code.commit:
-            tags.update({"gwenlake.code_commit": code.commit, "gwenlake.code_dirty": str(code.dirty).lower()})
-        if os.environ.get("GWENLAKE_CODE_PATCH_SHA256"):
-            tags["gwenlake.code_patch_sha256"] = os.environ["GWENLAKE_CODE_PATCH_SHA256"]
-        if container:
-            tags.update({f"gwenlake.container.{k}": str(v) for k, v in container.items() if v})
-        tags.update({f"slurm.{k[6:].lower()}": v for k, v in slurm_facts().items()})
-        artifact_location = (runs_root / "mlartifacts" / model_name).as_uri() if is_sqlite(tracking_uri) else None
-        state_dir = state_dir_for(run_dir, tracking_uri)
-        # Versions an earlier start committed but could not register: the delivery process registers them
-        # once the run is attached (the job hands tracking the registry's function: tracking imports no registry).
-        pending = complete_pending_registrations \
-            if (state_dir / "pending_registrations.json").is_file() else None
-        tracker: Any = Tracker(tracking_uri, model_name, key, state_dir,
-                               params=flatten({"params": params, "seed": seed}), tags=tags,
-                               artifact_location=artifact_location,
-                               flush_interval_s=p.settings.tracking.flush_interval_s, after_attach=pending)
-        tracker.set_tags(tags)
-    else:
-        tracker = NullTracker()
 
-    # Rank r draws from seed + r: dropout and augmentation differ across ranks (DDP copies rank 0's initial
-    # parameters to all); the data order comes from the run seed alone, so the shards fit together.
-    launcher = p.settings.launcher
+@dataclass
+class _Reporting:
+    """Where this rank's points go: the tracker, and for MLflow's own API the state folder or why it is off."""
 
-    reports = tracking_on and d.is_main
-    # a point MLflow records at step 0 (no step given) goes to the loop's current step; a short fit has no loop
-    current_step = (lambda: 0) if getattr(tf, "is_short", False) else (lambda: run.step)
-    if reports:
-        off_reason = ""
-    else:
-        state_dir = None
-        off_reason = (f"rank {d.rank}: only rank 0 reports to MLflow" if tracking_on else
+    tracker: Any
+    reports: bool
+    state_dir: Path | None
+    off_reason: str
+
+
+def _open_tracking(p: JobPlan, info: Mapping[str, Any], code: Any, container: Mapping[str, Any] | None,
+                   d: Dist) -> _Reporting:
+    """The tracker of this start: rank 0 alone reports (a :class:`Tracker` with the run's tags), the other ranks
+    and a job without tracking get a :class:`NullTracker` and the reason."""
+    if not (p.tracking_on and d.is_main):
+        off_reason = (f"rank {d.rank}: only rank 0 reports to MLflow" if p.tracking_on else
                       "tracking is off for this job (tracking=False or job.tracking=false)")
+        return _Reporting(NullTracker(), False, None, off_reason)
+    tags = _tracking_tags(p, info, code, container)
+    tracking_uri = p.tracking_uri
+    artifact_location = (p.runs_root / "mlartifacts" / p.model_name).as_uri() if is_sqlite(tracking_uri) else None
+    state_dir = state_dir_for(p.run_dir, tracking_uri)
+    # Versions an earlier start committed but could not register: the delivery process registers them
+    # once the run is attached (the job hands tracking the registry's function: tracking imports no registry).
+    pending = complete_pending_registrations if (state_dir / "pending_registrations.json").is_file() else None
+    tracker = Tracker(tracking_uri, p.model_name, p.key, state_dir,
+                      params=flatten({"params": p.params, "seed": p.seed}), tags=tags,
+                      artifact_location=artifact_location,
+                      flush_interval_s=p.settings.tracking.flush_interval_s, after_attach=pending)
+    tracker.set_tags(tags)
+    return _Reporting(tracker, True, state_dir, "")
 
+
+def _tracking_tags(p: JobPlan, info: Mapping[str, Any], code: Any,
+                   container: Mapping[str, Any] | None) -> dict[str, str]:
+    """The MLflow run's tags: ``@train(metadata={...})``, then ours (``gwenlake.*``, ``slurm.*``), which win."""
+    tags = dict(p.tf.resources.metadata)
+    tags.update({"gwenlake.run_key": p.key, "gwenlake.target": p.tf.target, "gwenlake.host": socket.gethostname(),
+                 "gwenlake.restarts": str(len(info["starts"]) - 1)})
+    tags.update({f"gwenlake.dataset.{n}": v for n, v in p.datasets.items()})
+    tags.update({f"gwenlake.init_model.{n}": v for n, v in p.model_versions.items()})
+    if code.commit:
+        tags.update({"gwenlake.code_commit": code.commit, "gwenlake.code_dirty": str(code.dirty).lower()})
+    if os.environ.get("GWENLAKE_CODE_PATCH_SHA256"):
+        tags["gwenlake.code_patch_sha256"] = os.environ["GWENLAKE_CODE_PATCH_SHA256"]
+    if container:
+        tags.update({f"gwenlake.container.{k}": str(v) for k, v in container.items() if v})
+    tags.update({f"slurm.{k[6:].lower()}": v for k, v in slurm_facts().items()})
+    return tags
+
+
+def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, start: Start) -> JobResult:
+    """Build the Run, call the training function (again from the previous checkpoint when the one it resumed
+    from proves damaged while loading), then :func:`finish`; a failure ends the tracker's run and becomes the
+    exit code (a :class:`ConfigError` is raised on, for exit 2)."""
+    tf, tracker, stop, finish_timeout = p.tf, reporting.tracker, start.stop, start.finish_timeout
     # torch comes with the Run: planning and submitting a job (the launchers) never load it
     from ..runtime.current import active as active_run
     from ..runtime.rng import seed_everything
     from ..runtime.run import Run
 
     def make_run() -> Run:
-        seed_everything(seed + d.rank)
+        # Rank r draws from seed + r: dropout and augmentation differ across ranks (DDP copies rank 0's initial
+        # parameters to all); the data order comes from the run seed alone, so the shards fit together.
+        seed_everything(p.seed + d.rank)
+        launcher = p.settings.launcher
         try:
-            return Run(run_dir=run_dir, run_key=key, steps=steps, epochs=epochs, eval_every=eval_every, seed=seed,
-                       tracker=tracker, stop=stop, resume=p.resume, on_nonfinite=p.on_nonfinite,
+            return Run(run_dir=p.run_dir, run_key=p.key, steps=p.steps, epochs=p.epochs, eval_every=p.eval_every,
+                       seed=p.seed, tracker=tracker, stop=stop, resume=p.resume, on_nonfinite=p.on_nonfinite,
                        progress=launcher.progress, progress_every_s=launcher.progress_every_s, dist=d)
         except BaseException:
             tracker.close()
             raise
 
     run = make_run()
+    # a point MLflow records at step 0 (no step given) goes to the loop's current step; a short fit has no loop
+    current_step = (lambda: 0) if getattr(tf, "is_short", False) else (lambda: run.step)
     if tf.wants_config:
         kwargs["config"] = p.config_obj
-
-    finish_timeout = p.settings.tracking.finish_timeout_s
     installed = stop.install()
     try:  # handlers kept through the commit and tracking's finish: a SIGTERM there only sets the flag
         try:
@@ -283,39 +328,42 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
                 kwargs["run"] = run
                 try:
                     # gwenlake_hpc.log_metrics(), GWENLAKE_RUN_ID, and MLflow's own API into the job's run
-                    with active_run(run), user_mlflow.reporting(tracker if reports else None, state_dir,
-                                                                current_step, off_reason):
+                    with active_run(run), user_mlflow.reporting(tracker if reporting.reports else None,
+                                                                reporting.state_dir, current_step,
+                                                                reporting.off_reason):
                         result = tf.fn(**kwargs)
                     run.wait_for_checkpoint()  # a background write that failed fails the job here
                     break
                 except DamagedFileError as exc:
-                    if not _set_aside_resume_point(run, exc):
+                    if not retry_after_damaged_load(run, exc):
                         raise
                     run = make_run()  # from the previous intact checkpoint, the function started afresh
         except KeyboardInterrupt:
             log.error("interrupted at step %d; the newest complete checkpoint is kept", run.step)
             tracker.finish("KILLED", timeout_s=min(finish_timeout, 10.0))
-            return JobResult(EXIT_INTERRUPTED, None, run_dir, run.step)
+            return JobResult(EXIT_INTERRUPTED, None, p.run_dir, run.step)
         except ConfigError:
-            run.wait_for_checkpoint(raise_error=False)
-            tracker.finish("FAILED", timeout_s=finish_timeout)
+            _end_failed(run, tracker, finish_timeout)
             raise
         except NonFiniteError as exc:
             log.error("%s", exc)
-            run.wait_for_checkpoint(raise_error=False)
-            tracker.finish("FAILED", timeout_s=finish_timeout)
-            return JobResult(EXIT_FAILED, None, run_dir, run.step)
+            return _end_failed(run, tracker, finish_timeout)
         except Exception:
             log.error("the training function raised at step %d:\n%s", run.step, traceback.format_exc())
-            run.wait_for_checkpoint(raise_error=False)  # the checkpoint in flight is still sealed
-            tracker.finish("FAILED", timeout_s=finish_timeout)
-            return JobResult(EXIT_FAILED, None, run_dir, run.step)
+            return _end_failed(run, tracker, finish_timeout)
         with shield_children():  # git, the registry: SLURM's signals must not kill the children of the commit
-            inputs = {n: kwargs[n] for n, b in tf.bindings.items() if isinstance(b, Input)}
-            return finish(p, run, result, Start(tracker, info, info_path, code, stop, finish_timeout, inputs))
+            start.inputs = {n: kwargs[n] for n, b in tf.bindings.items() if isinstance(b, Input)}
+            return finish(p, run, result, start)
     finally:
         if installed:
             stop.uninstall()
+
+
+def _end_failed(run: Run, tracker: Any, finish_timeout: float) -> JobResult:
+    """A training that raised: the checkpoint in flight is still sealed, the tracker's run ends FAILED."""
+    run.wait_for_checkpoint(raise_error=False)
+    tracker.finish("FAILED", timeout_s=finish_timeout)
+    return JobResult(EXIT_FAILED, None, run.run_dir, run.step)
 
 
 def _complete_pending_registrations(state_dir: Path, tracking_uri: str) -> None:
@@ -336,25 +384,3 @@ def _complete_pending_registrations(state_dir: Path, tracking_uri: str) -> None:
         return
     if (state_dir / PENDING_REGISTRATIONS).is_file():
         complete_pending_registrations(state_dir, tracking_uri)
-
-
-def _set_aside_resume_point(run: Run, exc: DamagedFileError) -> bool:
-    """A file of the checkpoint the run resumed from failed its digest while ``load_state`` read it.
-
-    Sets that checkpoint aside (as a damaged one found up front is) so the next Run resumes from the previous
-    intact checkpoint. Returns False when the training cannot simply start again: the damaged file is not in
-    the resume checkpoint, the loop already ran, or the run has several tasks (the job then fails; rerun it).
-    """
-    if exc.checkpoint is None or run.resume_path is None or exc.checkpoint.absolute() != run.resume_path.absolute():
-        return False
-    if run.is_main:
-        moved = run.store.set_aside_if_damaged(run.resume_path, str(exc))
-        log.warning("checkpoint %s is damaged (%s); set aside as %s", run.resume_path, exc,
-                    moved.name if moved else "?")
-    if run.dist.enabled:
-        log.error("rerun the job: it resumes from the previous intact checkpoint")
-        return False
-    if run.loop_started:
-        return False
-    log.warning("starting the training function again from the previous intact checkpoint")
-    return True

@@ -62,11 +62,13 @@ class Start:
 
     Attributes:
         tracker: the MLflow tracker (a NullTracker with tracking off or on ranks other than 0).
-        info: the run's record (``run.json``), this start appended; written to ``info_path``.
+        info: the run's record (``run.json``), this start appended.
+        info_path: where ``info`` is written (``<run_dir>/run.json``).
         code: the code state (commit, dirty flag) the version's lineage names.
         stop: the stop flag the signal handlers set.
         finish_timeout: seconds the end waits for tracking (``tracking.finish_timeout_s``).
-        inputs: the Input datasets the function was given (their schema goes into the version's serving info).
+        inputs: the Input datasets the function was given, by parameter name, set once it returned (their
+            schema goes into the version's serving info).
     """
 
     tracker: Any
@@ -93,51 +95,77 @@ def finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
     Raises:
         ConfigError: the function returned something other than a dict of numbers or None.
     """
-    tracker, info, info_path, code = start.tracker, start.info, start.info_path, start.code
-    finish_timeout, stop, tracking_on = start.finish_timeout, start.stop, p.tracking_on
-    tf, run_dir, key, model_name = p.tf, p.run_dir, p.key, p.model_name
-    steps, epochs, eval_every, seed, run_name = p.steps, p.epochs, p.eval_every, p.seed, p.run_name
-    params, dataset_facts, model_versions = p.params, p.dataset_facts, p.model_versions
+    tracker, finish_timeout = start.tracker, start.finish_timeout
     if not run.is_main:  # rank 0 commits; the others only report how the loop ended
-        return JobResult(EXIT_EVICTED if run.evicted else 0, None, run_dir, run.step)
+        return JobResult(EXIT_EVICTED if run.evicted else 0, None, p.run_dir, run.step)
     if run.evicted:
         ck = run.latest_checkpoint
         log.warning("evicted at step %d (%s); newest checkpoint: %s; run the same job again to resume",
-                    run.step, stop.reason, ck.path if ck else "none")
+                    run.step, start.stop.reason, ck.path if ck else "none")
         tracker.set_tags({EVICTED_TAG: str(run.step)})
         tracker.finish("KILLED", timeout_s=min(finish_timeout, 20.0))
-        return JobResult(EXIT_EVICTED, None, run_dir, run.step)
+        return JobResult(EXIT_EVICTED, None, p.run_dir, run.step)
+    metrics = _checked_metrics(p, run, result, start)
+    if metrics is None:
+        return JobResult(EXIT_FAILED, None, p.run_dir, run.step)
+    tracker.log_metrics(metrics, run.step)
+    if p.tracking_on and tracker.run_id is None:  # short runs, a slow store: the version should name its run
+        tracker.wait_attached(min(finish_timeout, 30.0))
+    lineage = _lineage(p, run, start)
+    committed = _commit(p, run, metrics, lineage, start)
+    if committed is None:
+        tracker.finish("FAILED", timeout_s=finish_timeout)
+        return JobResult(EXIT_FAILED, None, p.run_dir, run.step)
+    repo, version = committed
+    # Registry, alias 'candidate', push: each failure only logs a warning (after_commit never raises).
+    # The MLflow registration is deferred to the delivery process (MLflow is loaded there, not here).
+    _complete(p, run, start, after_commit(
+        repo=repo, model_name=p.model_name, version=version, out_dir=p.run_dir / "output", lineage=lineage,
+        tracking_uri=p.tracking_uri if p.tracking_on else None, run_id=tracker.run_id if p.tracking_on else None,
+        metrics=metrics, state_dir=tracker.state_dir if p.tracking_on else None, defer=p.tracking_on), version)
+    return JobResult(0, version, p.run_dir, run.step)
 
+
+def _checked_metrics(p: JobPlan, run: Run, result: Any, start: Start) -> dict[str, float] | None:
+    """The version's metrics: the function's dict of numbers, or ``run.summary()`` for None. None (the run
+    ended FAILED) when the Output holds no file.
+
+    Raises:
+        ConfigError: ``result`` is neither a dict of numbers nor None (the run ended FAILED).
+    """
+    tracker, finish_timeout, tf = start.tracker, start.finish_timeout, p.tf
     if result is not None and not isinstance(result, Mapping):
         tracker.finish("FAILED", timeout_s=finish_timeout)
         raise ConfigError(f"{tf.target} returned {type(result).__name__} {str(result)[:80]!r}: return a dict of "
                           "numbers (the model's metrics), or None for run.summary(); nothing is committed, and the "
                           "same job resumes from its final checkpoint once the function is fixed")
-    if not any(f.is_file() for f in (run_dir / "output").rglob("*")):
+    if not any(f.is_file() for f in (p.run_dir / "output").rglob("*")):
         log.error("%s wrote no file into its Output: nothing is committed (a version without a model is no use). "
                   "Save the model with output.file(NAME), then run the same job again: it resumes from its final "
                   "checkpoint", tf.target)
         tracker.finish("FAILED", timeout_s=finish_timeout)
-        return JobResult(EXIT_FAILED, None, run_dir, run.step)
+        return None
     metrics = result if isinstance(result, Mapping) else run.summary()
     try:
-        metrics = {str(k): float(v) for k, v in metrics.items()}
+        return {str(k): float(v) for k, v in metrics.items()}
     except (TypeError, ValueError) as exc:
         tracker.finish("FAILED", timeout_s=finish_timeout)
         raise ConfigError(f"{tf.target} returned {result!r}: return a dict of numbers (or None)") from exc
-    tracker.log_metrics(metrics, run.step)
-    if tracking_on and tracker.run_id is None:  # short runs, a slow store: the version should name its run
-        tracker.wait_attached(min(finish_timeout, 30.0))
 
-    lineage = {
-        "model": model_name, "run_name": run_name, "run_key": key, "target": tf.target,
-        "datasets": dataset_facts, "init_models": model_versions,
+
+def _lineage(p: JobPlan, run: Run, start: Start) -> dict[str, Any]:
+    """The version's ``lineage.json``: what produced it (data, initial models, code, config, starts, packages)."""
+    code, info, tracker = start.code, start.info, start.tracker
+    return {
+        "model": p.model_name, "run_name": p.run_name, "run_key": p.key, "target": p.tf.target,
+        "datasets": p.dataset_facts, "init_models": p.model_versions,
         "code": {"commit": code.commit, "dirty": code.dirty, "repo": str(code.repo_root) if code.repo_root else None,
                  **_code_patch()},
-        "config": {"params": params, "seed": seed, "steps": steps, "epochs": epochs, "eval_every": eval_every},
+        "config": {"params": p.params, "seed": p.seed, "steps": p.steps, "epochs": p.epochs,
+                   "eval_every": p.eval_every},
         # run_id None: not attached in time; state_dir/run_id names it once it exists (models register).
-        "tracking": {"run_id": tracker.run_id, "experiment": model_name, "state_dir": str(tracker.state_dir)}
-        if tracking_on else None,
+        "tracking": {"run_id": tracker.run_id, "experiment": p.model_name, "state_dir": str(tracker.state_dir)}
+        if p.tracking_on else None,
         "final_step": run.step,
         "starts": info["starts"],
         # the image of the start that finished the training (each start's is in starts[])
@@ -146,54 +174,57 @@ def finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
         # SLURM job ids of every start (a requeue keeps the id; a resubmission gets a new one)
         "slurm_jobs": sorted({s["SLURM_JOB_ID"] for s in info["starts"] if s.get("SLURM_JOB_ID")}),
         "job_config": OmegaConf.to_container(p.cfg.job, resolve=True) if isinstance(p.cfg, DictConfig) else None,
-        "serving": serving_info(tf, start.inputs),  # predict entry point and input schema, for load_model
+        "serving": serving_info(p.tf, start.inputs),  # predict entry point and input schema, for load_model
     }
-    out_dir = run_dir / "output"
+
+
+def _commit(p: JobPlan, run: Run, metrics: Mapping[str, float], lineage: Mapping[str, Any],
+            start: Start) -> tuple[Any, str] | None:
+    """Commit ``<run_dir>/output`` as a version of the model (or find the one an earlier start committed at this
+    step and died before recording). Returns ``(repository, version SHA)``, or None when it could not be
+    committed (logged, with the command that commits the files kept)."""
+    code, out_dir, model_name = start.code, p.run_dir / "output", p.model_name
     try:
         repo = p.model_repo()
         same_repo = code.repo_root is not None and Path(repo.working_dir).resolve() == code.repo_root.resolve()
         # A start killed between its commit and run.json committed this very version already: use it.
-        run_ref = f"{key}/{info['uid']}@{run.step}"
+        run_ref = f"{p.key}/{start.info['uid']}@{run.step}"
         version = find_run_version(repo, model_name, run_ref)
         if version is not None:
             log.warning("version %s of this run at step %d was committed by an earlier start that ended before "
                         "recording it; using it (no second commit)", version[:12], run.step)
-        else:
-            version = commit_model(
-                repo, model_name, out_dir, run=run_ref,
-                message=f"{model_name}: {run_name} at step {run.step}\n\n"
-                        + "".join(f"{k}: {v:.6g}\n" for k, v in sorted(metrics.items())),
-                code_commit=code.commit if same_repo else None,
-                extra_files={"metrics.json": (json.dumps(finite_json(metrics), indent=2, sort_keys=True, allow_nan=False)
-                                              + "\n").encode(),
-                             "lineage.json": (json.dumps(finite_json(lineage), indent=2, sort_keys=True, default=str,
-                                                         allow_nan=False) + "\n").encode()},
-            )
+            return repo, version
+        return repo, commit_model(
+            repo, model_name, out_dir, run=run_ref,
+            message=f"{model_name}: {p.run_name} at step {run.step}\n\n"
+                    + "".join(f"{k}: {v:.6g}\n" for k, v in sorted(metrics.items())),
+            code_commit=code.commit if same_repo else None,
+            extra_files={"metrics.json": (json.dumps(finite_json(metrics), indent=2, sort_keys=True, allow_nan=False)
+                                          + "\n").encode(),
+                         "lineage.json": (json.dumps(finite_json(lineage), indent=2, sort_keys=True, default=str,
+                                                     allow_nan=False) + "\n").encode()},
+        )
     except Exception as exc:
         log.error("the model could not be committed (%s); its files are kept in %s: commit them with "
                   "`python -m gwenlake_hpc models commit %s %s`", exc, out_dir, out_dir, model_name)
-        tracker.finish("FAILED", timeout_s=finish_timeout)
-        return JobResult(EXIT_FAILED, None, run_dir, run.step)
-    # Registry, alias 'candidate', push: each failure only logs a warning (after_commit never raises).
-    # The MLflow registration is deferred to the delivery process (MLflow is loaded there, not here).
-    deferred = after_commit(repo=repo, model_name=model_name, version=version, out_dir=out_dir, lineage=lineage,
-                            tracking_uri=p.tracking_uri if tracking_on else None,
-                            run_id=tracker.run_id if tracking_on else None, metrics=metrics,
-                            state_dir=tracker.state_dir if tracking_on else None, defer=tracking_on)
+        return None
 
+
+def _complete(p: JobPlan, run: Run, start: Start, deferred: bool, version: str) -> None:
+    """Record a committed version: its tags, the completion in ``run.json``, the tracker's run FINISHED."""
+    tracker, info = start.tracker, start.info
     tracker.set_tags({"gwenlake.version": version})
     # a FINISHED run is not evicted: an earlier start's eviction stays as history under another name
     tracker.rename_tags({EVICTED_TAG: LAST_EVICTED_TAG})
-    info["completed"] = {"steps": steps, "epochs": epochs, "final_step": run.step, "version": version,
+    info["completed"] = {"steps": p.steps, "epochs": p.epochs, "final_step": run.step, "version": version,
                          "time": time.time()}
     info.setdefault("completions", []).append(info["completed"])
-    write_json_atomic(info_path, info)
-    tracker.finish("FINISHED", timeout_s=min(finish_timeout, 5.0) if stop.requested else finish_timeout,
-                   after_finish=complete_pending_registrations if deferred else None)
+    write_json_atomic(start.info_path, info)
+    tracker.finish("FINISHED", timeout_s=min(start.finish_timeout, 5.0) if start.stop.requested
+                   else start.finish_timeout, after_finish=complete_pending_registrations if deferred else None)
     if deferred:
-        warn_if_pending(tracker.state_dir, model_name, version)
-    print(f"model {model_name} version {version}", flush=True)
-    return JobResult(0, version, run_dir, run.step)
+        warn_if_pending(tracker.state_dir, p.model_name, version)
+    print(f"model {p.model_name} version {version}", flush=True)
 
 
 def finite_json(value: Any) -> Any:

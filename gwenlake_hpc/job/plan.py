@@ -28,7 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..authoring.api import Input, Model, TrainFunction, resolve_params
 from ..stores.checkpoints.writer import async_default
-from .config import GwenlakeConfig, JobConfig, typed
+from .config import GwenlakeConfig, JobConfig
+from .config_typed import typed
 from ..stores.data import Catalog
 from ..base.errors import ConfigError
 from ..stores.tracking import default_uri, is_sqlite, sqlite_path, validate_uri
@@ -232,14 +233,14 @@ def plan(cfg: DictConfig | Mapping[str, Any], cache: PlanCache | None = None) ->
     ``cache``: the facts shared by the tasks of one sweep (see :class:`PlanCache`); None reads everything.
 
     Raises:
-        ConfigError: no job, bad target, a setting a rule refuses (:func:`gwenlake_hpc.job.config.typed`), bad
+        ConfigError: no job, bad target, a setting a rule refuses (:func:`gwenlake_hpc.job.config_typed.typed`), bad
             params, bad tracking URI, missing or malformed dataset, unknown initial model version.
     """
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.create(cfg)
     if OmegaConf.select(cfg, "job.target", default=None) is None or OmegaConf.is_missing(cfg.job, "target"):
         raise ConfigError("no job given: add +job=NAME (a file conf/job/NAME.yaml) or job.target=module:function")
-    settings = typed(cfg)  # every key's type and rule checked (config.py), before the function is imported
+    settings = typed(cfg)  # every key's type and rule checked (config_typed.py), before the function is imported
     tf = load_target(settings.job.target)
     job = _effective(settings.job, tf)
     settings = dataclasses.replace(settings, job=job)
@@ -274,40 +275,6 @@ def plan(cfg: DictConfig | Mapping[str, Any], cache: PlanCache | None = None) ->
                    tracking_uri=tracking_uri, runs_root=runs_root, repo_path=repo_path,
                    datasets=datasets, dataset_facts=facts, model_versions=model_versions, key=key,
                    run_dir=runs_root / tf.output.name / key)
-
-
-def finished_with(info: Mapping[str, Any], steps: int | None, epochs: int | None) -> dict[str, Any] | None:
-    """The completion in ``run.json`` (``info``) of a training of ``steps``/``epochs`` that committed a version,
-    newest first; None when there is none (the run must train)."""
-    for done in reversed(info.get("completions") or ([info["completed"]] if info.get("completed") else [])):
-        if done.get("steps") == steps and done.get("epochs") == epochs and done.get("version"):
-            return dict(done)
-    return None
-
-
-def check_resume_point(p: JobPlan) -> None:
-    """Refuse settings the run directory's checkpoints rule out, before the job trains or is submitted.
-
-    Reads ``run.json`` and the checkpoints' manifests (nothing is written). A run that already finished with
-    these ``steps``/``epochs`` passes: the job prints its version.
-
-    Raises:
-        ConfigError: ``job.resume=never`` with checkpoints of this run, or ``job.steps`` below the newest
-            checkpoint's step (nothing is deleted; the message says what to change).
-    """
-    from ..stores.checkpoints import CheckpointStore
-    from ..base.fsutil import read_json
-
-    if finished_with(read_json(p.run_dir / "run.json", default=None) or {}, p.steps, p.epochs) is not None:
-        return
-    folder = p.run_dir / "checkpoints"
-    existing = CheckpointStore(folder, p.key).complete() if folder.is_dir() else []
-    if p.resume == "never" and existing:
-        raise ConfigError(f"job.resume=never but {folder} already holds checkpoints of this run; nothing is "
-                          "deleted: move them away or use job.resume=auto")
-    if p.steps is not None and existing and existing[-1].step > p.steps:
-        raise ConfigError(f"job.steps={p.steps} is below step {existing[-1].step} of this run's newest checkpoint; "
-                          f"use job.steps>={existing[-1].step}, or a new run name (job.model=...)")
 
 
 def _effective(job: JobConfig, tf: TrainFunction) -> JobConfig:

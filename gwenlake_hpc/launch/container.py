@@ -28,8 +28,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..base import rules
-from ..job.config import ContainerConfig, typed_launcher
+from ..job.config import ContainerConfig
+from ..job.config_typed import typed_launcher
 from ..base.errors import ConfigError
+from ..base.fsutil import write_atomic
 from ..job.run_environment import ENV_DIGEST, ENV_HOST_MNT_NS, ENV_IMAGE, ENV_PIN, ENV_RUNTIME, ENV_RUNTIME_VERSION
 
 log = logging.getLogger("gwenlake_hpc.launch.container")
@@ -275,9 +277,7 @@ def derived_bundle(bundle: Path, folder: Path, binds: Sequence[tuple[str, str, s
     if gpu and hook:
         hooks = spec.setdefault("hooks", {})
         hooks.setdefault("prestart", []).append({"path": hook, "args": [NVIDIA_HOOK, "prestart"]})
-    tmp = out / "config.json.tmp"
-    tmp.write_text(json.dumps(spec, indent=2))
-    os.replace(tmp, out / "config.json")
+    write_atomic(out / "config.json", json.dumps(spec, indent=2))  # the step's runtime reads it
     return out, entries
 
 
@@ -349,15 +349,49 @@ def prepare(lc: Any, paths: Mapping[str, Any], folder: Path, cwd: Path, target: 
             bad binds or environment names, each naming the setting and the fix.
     """
     cc = typed_launcher(lc).container  # a ContainerConfig: runtime, python, env and binds checked by its rules
-    image = cc.image
-    if not image:
+    if not cc.image:
         return None
-    image = str(image)
+    image = str(cc.image)
     local = not is_remote_ref(image)
     image_path = (cwd / Path(image).expanduser()).resolve() if local else None
+    runtime = _checked_runtime(cc, image, image_path, which, environ)
+    gpu = gpus_requested if cc.gpu is None else bool(cc.gpu)
+    binds = job_binds(paths, folder, cwd, target, cc.binds, more_paths)
+    setup = [f"export {k}={shlex.quote(str(v))}" for k, v in dict(cc.env).items()]
+    record = str(image_path) if local else image
+    if runtime == "oci":
+        command, srun_args = _oci_step(cc, image_path, record, folder, cwd, binds, gpu,  # type: ignore[arg-type]
+                                       which, write, setup)
+    else:
+        words = [runtime, "exec", "--pwd", str(cwd)] + (["--nv"] if gpu else [])
+        if binds:
+            words += ["--bind", ",".join(f"{s}:{d}:{m}" for s, d, m in binds)]
+        command = [*words, record, str(cc.python)]
+        rootfs = image_path if (image_path and image_path.is_dir()) else None  # a sandbox directory
+        setup += identity_lines(runtime, record, folder, cc.pin, rootfs=rootfs)
+        srun_args = []
+    teardown = folder / "gwenlake-requeue.py"
+    if write:
+        from . import requeue
+
+        # the batch script's teardown runs this copy on the host, at every end of a step
+        write_atomic(teardown, Path(requeue.__file__).read_bytes())
+    return ContainerStep(runtime=runtime, image=record, command=command, srun_args=srun_args, setup=setup,
+                         teardown_script=str(teardown), binds=binds)
+
+
+def _checked_runtime(cc: ContainerConfig, image: str, image_path: Path | None, which: Callable[[str], str | None],
+                     environ: Mapping[str, str]) -> str:
+    """The runtime that runs ``image`` (``launcher.container.runtime``, else chosen from the image), checked
+    on this host.
+
+    Raises:
+        ConfigError: a missing local image, ``oci`` without a bundle or without SLURM's ``oci.conf``, a
+            runtime not installed here.
+    """
     is_bundle = bool(image_path and image_path.is_dir() and (image_path / "config.json").is_file())
     runtime = runtime_of(cc, is_bundle)
-    if local and not image_path.exists():  # type: ignore[union-attr]
+    if image_path is not None and not image_path.exists():
         raise ConfigError(f"launcher.container.image={image}: {image_path} does not exist; build or copy the image "
                           "there (README: Containers), or fix the path")
     if runtime == "oci":
@@ -376,45 +410,34 @@ def prepare(lc: Any, paths: Mapping[str, Any], folder: Path, cwd: Path, target: 
         raise ConfigError(f"launcher.container.runtime={runtime}: `{runtime}` is not installed on this host (not "
                           "in PATH); load it in launcher.setup is not enough here: install it, or choose the runtime "
                           "the cluster has (apptainer, singularity, or oci for SLURM's --container)")
-    python = str(cc.python)
-    env = dict(cc.env)
-    gpu = gpus_requested if cc.gpu is None else bool(cc.gpu)
-    binds = job_binds(paths, folder, cwd, target, cc.binds, more_paths)
-    setup = [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()]
-    record = str(image_path) if local else image
-    if runtime == "oci":
-        hook = which(NVIDIA_HOOK) if gpu else None
-        if gpu and hook is None:
-            msg = (f"launcher.container.gpu: {NVIDIA_HOOK} (the NVIDIA container toolkit) is not installed here, "
-                   "so the OCI container would not see the GPUs")
-            if cc.gpu is True:
-                raise ConfigError(msg + ": install the toolkit on the nodes, or set launcher.container.gpu=false")
-            log.warning("%s; set launcher.container.gpu=false to silence this", msg)
-        spec, rootfs = _bundle_root(image_path)  # type: ignore[arg-type]
-        if write:
-            bundle, entries = derived_bundle(image_path, folder, binds, gpu, hook, cwd)  # type: ignore[arg-type]
-        else:  # a dry run writes nothing: the folder's name and the entries are what a submission would make
-            bundle, entries = folder / "oci-bundle-<submission>", sorted(e.name for e in os.scandir(rootfs))
-        # the spec that runs (written at submission) and the image's files that the container sees (live binds)
-        setup += identity_lines(runtime, record, folder, cc.pin, rootfs=rootfs,
-                                spec_file=bundle / "config.json", entries=entries)
-        setup.insert(0, f"# launcher.container: {runtime} {record} as {bundle}; binds "
-                        + ", ".join(f"{s}:{d}:{m}" for s, d, m in binds))
-        command = [python]
-        srun_args = [f"--container={bundle}"]
-    else:
-        words = [runtime, "exec", "--pwd", str(cwd)] + (["--nv"] if gpu else [])
-        if binds:
-            words += ["--bind", ",".join(f"{s}:{d}:{m}" for s, d, m in binds)]
-        command = [*words, record, python]
-        rootfs = image_path if (image_path and image_path.is_dir()) else None  # a sandbox directory
-        setup += identity_lines(runtime, record, folder, cc.pin, rootfs=rootfs)
-        srun_args = []
-    teardown = folder / "gwenlake-requeue.py"
-    if write:
-        folder.mkdir(parents=True, exist_ok=True)
-        from . import requeue
+    return runtime
 
-        shutil.copyfile(requeue.__file__, teardown)
-    return ContainerStep(runtime=runtime, image=record, command=command, srun_args=srun_args, setup=setup,
-                         teardown_script=str(teardown), binds=binds)
+
+def _oci_step(cc: ContainerConfig, image_path: Path, record: str, folder: Path, cwd: Path,
+              binds: list[tuple[str, str, str]], gpu: bool, which: Callable[[str], str | None], write: bool,
+              setup: list[str]) -> tuple[list[str], list[str]]:
+    """SLURM's ``--container`` step over a bundle derived from ``image_path`` (written unless ``write`` is
+    False); appends the identity lines to ``setup``. Returns ``(command, srun arguments)``.
+
+    Raises:
+        ConfigError: ``launcher.container.gpu=true`` without the NVIDIA hook on this host.
+    """
+    hook = which(NVIDIA_HOOK) if gpu else None
+    if gpu and hook is None:
+        msg = (f"launcher.container.gpu: {NVIDIA_HOOK} (the NVIDIA container toolkit) is not installed here, "
+               "so the OCI container would not see the GPUs")
+        if cc.gpu is True:
+            raise ConfigError(msg + ": install the toolkit on the nodes, or set launcher.container.gpu=false")
+        log.warning("%s; set launcher.container.gpu=false to silence this", msg)
+    spec, rootfs = _bundle_root(image_path)
+    if write:
+        bundle, entries = derived_bundle(image_path, folder, binds, gpu, hook, cwd)
+    else:  # a dry run writes nothing: the folder's name and the entries are what a submission would make
+        bundle, entries = folder / "oci-bundle-<submission>", sorted(e.name for e in os.scandir(rootfs))
+    # the spec that runs (written at submission) and the image's files that the container sees (live binds)
+    setup += identity_lines("oci", record, folder, cc.pin, rootfs=rootfs,
+                            spec_file=bundle / "config.json", entries=entries)
+    setup.insert(0, f"# launcher.container: oci {record} as {bundle}; binds "
+                    + ", ".join(f"{s}:{d}:{m}" for s, d, m in binds))
+    return [str(cc.python)], [f"--container={bundle}"]
+

@@ -38,7 +38,7 @@ from typing import Any, Mapping, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..job.config import launcher_node, typed_cluster, typed_launcher
+from ..job.config_typed import launcher_node, typed_cluster, typed_launcher
 from ..base.errors import EXIT_USAGE, ConfigError, GwenlakeError
 from ..authoring.resources import Resources
 from ..base.rules import has_control
@@ -245,20 +245,8 @@ def submit_remote(cfg: DictConfig, cluster_name: str, task_overrides: Sequence[s
         remote_dir, have, refs = check_remote(conn, cc, code.commit)
         send_commit(conn, code, remote_dir, have, refs)
         worktree, digest = make_worktree(conn, remote_dir, code.commit, code.patch)
-        paths = cfg.paths
-        path_ovs = [f"paths.data_root={_remote_path(remote_dir, str(paths.data_root))}",
-                    f"paths.runs_root={_remote_path(remote_dir, str(paths.runs_root))}"]
-        if paths.model_repo:
-            path_ovs.append(f"paths.model_repo={_remote_path(remote_dir, str(paths.model_repo))}")
-        job_ovs = [*overrides, *path_ovs]
-        s = typed_launcher(lc)
-        ctr = {"container": dataclasses.asdict(s.container), "gpus_per_node": s.gpus_per_node, "gres": s.gres,
-               "write": not s.dry_run}
-        facts = remote_plan(conn, cc, worktree, job_ovs, ctr)
-        if facts.get("resources"):  # @train(cpu=, memory=, gpu=, env=, secrets=...) under launcher.*
-            lc = with_declared(lc, Resources.from_dict(facts["resources"]))
-            check_secrets(lc)
-            sbatch_parameters(lc, job_name="check")
+        job_ovs = [*overrides, *_remote_paths(cfg, remote_dir)]
+        lc, facts = _plan_on_cluster(conn, cc, worktree, lc, job_ovs)
         run_dir = facts["run_dir"]
         if str(facts.get("tracking_uri") or "").startswith("sqlite"):
             log.warning("tracking.uri is SQLite on the cluster (%s): not safe for many concurrent jobs on a shared "
@@ -275,23 +263,64 @@ def submit_remote(cfg: DictConfig, cluster_name: str, task_overrides: Sequence[s
         script = render_remote_script(lc, cc, job_name, worktree, run_dir, job_ovs, secrets_file, patch_file,
                                       facts.get("container"))
         conn.makedirs(f"{run_dir}/slurm")
-        conn.makedirs(f"{remote_dir}/.gwenlake/scripts")
-        script_path = f"{remote_dir}/.gwenlake/scripts/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}.sbatch"
-        conn.write_atomic(script_path, script.encode(), mode=0o644)
-        submit_script = f"cd {shlex.quote(worktree)}\n{setup_script(cc)}exec sbatch --parsable {shlex.quote(script_path)}\n"
-        try:
-            _, out, _ = conn.script(submit_script, timeout_s=120)
-        except RemoteCommandError as exc:
-            raise GwenlakeError(f"cluster {cluster_name}: sbatch refused the job: {exc.stderr.strip()[-1500:]}") from exc
-        job_id = out.strip().splitlines()[-1].split(";")[0].strip()
-        if not re.fullmatch(r"\d+(_\d+)?", job_id):
-            raise GwenlakeError(f"cluster {cluster_name}: sbatch --parsable printed {out.strip()!r}, not a job id")
+        script_path, job_id = _sbatch(conn, cc, cluster_name, worktree, remote_dir, script)
     sub = RemoteSubmission(job_id=job_id, cluster=cluster_name, commit=code.commit, worktree=worktree, run_dir=run_dir,
                            stdout=f"{run_dir}/slurm/{job_id}_0_log.out",
                            stderr=f"{run_dir}/slurm/{job_id}_0_log.err", script=script_path,
                            patch_sha256=digest, secrets_file=secrets_file)
     record_remote_job(_local_runs_root(cfg, cwd), sub, target, facts, overrides)
     return sub
+
+
+def _remote_paths(cfg: DictConfig, remote_dir: str) -> list[str]:
+    """The ``paths.*`` overrides of the job on the cluster: relative roots placed under ``remote_dir``."""
+    paths = cfg.paths
+    path_ovs = [f"paths.data_root={_remote_path(remote_dir, str(paths.data_root))}",
+                f"paths.runs_root={_remote_path(remote_dir, str(paths.runs_root))}"]
+    if paths.model_repo:
+        path_ovs.append(f"paths.model_repo={_remote_path(remote_dir, str(paths.model_repo))}")
+    return path_ovs
+
+
+def _plan_on_cluster(conn: SshConnection, cc: Any, worktree: str, lc: Any,
+                     job_ovs: Sequence[str]) -> tuple[Any, dict[str, Any]]:
+    """Plan the job in its worktree on the cluster (:func:`remote_plan`). Returns the launcher settings with what
+    ``@train`` declared (checked again) and the plan's facts.
+
+    Raises:
+        ConfigError: the job refused at planning, or a declared resource the launcher refuses.
+    """
+    s = typed_launcher(lc)
+    ctr = {"container": dataclasses.asdict(s.container), "gpus_per_node": s.gpus_per_node, "gres": s.gres,
+           "write": not s.dry_run}
+    facts = remote_plan(conn, cc, worktree, job_ovs, ctr)
+    if facts.get("resources"):  # @train(cpu=, memory=, gpu=, env=, secrets=...) under launcher.*
+        lc = with_declared(lc, Resources.from_dict(facts["resources"]))
+        check_secrets(lc)
+        sbatch_parameters(lc, job_name="check")
+    return lc, facts
+
+
+def _sbatch(conn: SshConnection, cc: Any, cluster_name: str, worktree: str, remote_dir: str,
+            script: str) -> tuple[str, str]:
+    """Upload the batch script (atomically, under ``<remote_dir>/.gwenlake/scripts``) and submit it from the
+    worktree. Returns ``(script path, SLURM job id)``.
+
+    Raises:
+        GwenlakeError: sbatch refused the job or printed no job id.
+    """
+    conn.makedirs(f"{remote_dir}/.gwenlake/scripts")
+    script_path = f"{remote_dir}/.gwenlake/scripts/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}.sbatch"
+    conn.write_atomic(script_path, script.encode(), mode=0o644)
+    submit_script = f"cd {shlex.quote(worktree)}\n{setup_script(cc)}exec sbatch --parsable {shlex.quote(script_path)}\n"
+    try:
+        _, out, _ = conn.script(submit_script, timeout_s=120)
+    except RemoteCommandError as exc:
+        raise GwenlakeError(f"cluster {cluster_name}: sbatch refused the job: {exc.stderr.strip()[-1500:]}") from exc
+    job_id = out.strip().splitlines()[-1].split(";")[0].strip()
+    if not re.fullmatch(r"\d+(_\d+)?", job_id):
+        raise GwenlakeError(f"cluster {cluster_name}: sbatch --parsable printed {out.strip()!r}, not a job id")
+    return script_path, job_id
 
 
 def _local_runs_root(cfg: DictConfig, cwd: Path) -> Path:
@@ -367,7 +396,8 @@ def _plan_main(overrides: list[str]) -> int:
     from hydra import compose, initialize_config_dir
 
     from ..job.config import conf_dir, register
-    from ..job.plan import check_resume_point, plan
+    from ..job.plan import plan
+    from ..job.resume import resume_point
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     register()
@@ -379,7 +409,7 @@ def _plan_main(overrides: list[str]) -> int:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="gwenlake_plan"):
             cfg = compose(config_name="config", overrides=overrides)
         p = plan(cfg)
-        check_resume_point(p)  # refused here, not after hours in the queue
+        resume_point(p)  # refused here, not after hours in the queue
         container = _plan_container(p, cfg, ctr) if ctr else None
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

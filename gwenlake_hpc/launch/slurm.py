@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from ..base import rules
-from ..job.config import launcher_node, typed_launcher
+from ..job.config_typed import launcher_node, typed_launcher
 from ..base.errors import EXIT_EVICTED, ConfigError, GwenlakeError
 from .records import record_job
 
@@ -92,7 +92,7 @@ def max_retries(lc: Any) -> int:
 
 def with_declared(lc: Any, res: Any) -> Any:
     """A copy of the launcher config ``lc`` (a DictConfig typed by the SLURM launcher's schema, see
-    :func:`gwenlake_hpc.job.config.launcher_node`) with the resources ``res`` declared on ``@train`` (a
+    :func:`gwenlake_hpc.job.config_typed.launcher_node`) with the resources ``res`` declared on ``@train`` (a
     :class:`gwenlake_hpc.authoring.resources.Resources`, or None) filled in where ``lc`` leaves them null:
     ``cpus_per_task``, ``mem_gb``, ``gres`` (unless ``gpus_per_node`` is set), ``max_retries``,
     ``container.image``; ``env`` merged
@@ -338,11 +338,12 @@ def submit(cfg: DictConfig) -> Submission | None:
         ConfigError: bad launcher values, missing secrets, a job config error found at planning.
         GwenlakeError: ``sbatch`` failed (its message is included).
     """
-    from ..job.plan import check_resume_point, plan
+    from ..job.plan import plan
+    from ..job.resume import resume_point
     from ..stores.tracking import is_sqlite
 
     p = plan(cfg)
-    check_resume_point(p)  # refused here, not after hours in the queue
+    resume_point(p)  # refused here, not after hours in the queue
     cfg = copy.deepcopy(cfg)
     cfg.launcher = with_declared(cfg.launcher, p.tf.resources)  # @train(cpu=, memory=, gpu=...) under launcher.*
     lc = cfg.launcher

@@ -10,6 +10,10 @@ Security rules kept here, so that callers cannot forget them:
   scripts run as ``bash -c <quoted script>`` whose own values are quoted by the caller.
 - Secret values travel only inside SFTP file contents (:meth:`SshConnection.write_private`), written after the
   file was made 0600, never on a command line.
+
+One concern, kept in one module of about 500 lines: the SSH session and its security rules (the target and its
+host-key policy, the connection and its reconnects, commands, SFTP writes), so that every way to the cluster
+goes through the same checks and none can be imported without them.
 """
 
 from __future__ import annotations

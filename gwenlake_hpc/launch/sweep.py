@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig
 
-from ..job.config import typed_launcher
+from ..job.config_typed import typed_launcher
 from ..base.errors import ConfigError, GwenlakeError
 from . import status as slurm_status
 from .slurm import (SlurmEntry, Submission, make_executor, step_parts, check_secrets, container_step,
@@ -41,14 +41,15 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
         ConfigError: tasks with different launcher settings, or a task's config error (nothing submitted).
         GwenlakeError: sbatch failed.
     """
-    from ..job.plan import PlanCache, check_resume_point, plan
+    from ..job.plan import PlanCache, plan
+    from ..job.resume import resume_point
 
     if not configs:
         return []
     cache = PlanCache()  # one sweep's tasks read the same datasets
     plans = [plan(cfg, cache) for _, cfg in configs]  # every task checked before anything is submitted
     for p in plans:
-        check_resume_point(p)
+        resume_point(p)
     lc = with_declared(configs[0][1].launcher, plans[0].tf.resources)  # @train(cpu=, memory=, gpu=...) under launcher.*
     runs_root = plans[0].runs_root
     s = typed_launcher(lc)

@@ -25,7 +25,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Mapping, Optional
 
 import numpy as np
 from omegaconf import MISSING, OmegaConf
@@ -176,25 +176,9 @@ def run_gate(cfg: ReleaseConfig, candidate: LoadedModel, incumbent: LoadedModel 
             raise ConfigError(f"release config: column {col!r} is not in {cfg.test_dataset} (columns: "
                               f"{', '.join(ds.columns)})")
     fn, higher = _metric_fns()[cfg.metric]
-
-    # 1. files present, predict importable, a batch scored
-    missing = [f for f in cfg.required_files if not (candidate.path / f).is_file()]
     schema = candidate.input_schema
-    cand_scores = None
-    data: dict[str, np.ndarray] = {}
-    try:
-        if missing:
-            raise GwenlakeError(f"missing files {missing}")
-        if not schema:
-            raise GwenlakeError("the version records no input schema (lineage.json 'serving')")
-        absent = [c for c in schema if c not in ds.columns]
-        if absent:
-            raise GwenlakeError(f"test dataset {cfg.test_dataset} lacks input columns {absent}")
-        data = ds.read(list(schema) + [cfg.label] + ([cfg.slices] if cfg.slices else []))
-        inputs = {c: data[c] for c in schema}
-        check_batch(schema, {c: a[:1] for c, a in inputs.items()}, f"{candidate.name} version "
-                    f"{candidate.version[:12]} on {cfg.test_dataset}")
-        cand_scores = _scores(candidate, inputs, cfg.batch_size)
+    try:  # 1. files present, predict importable, a batch scored
+        data, cand_scores = _load_and_score(cfg, candidate, ds)
         checks.append(Check("files", True, f"{', '.join(cfg.required_files)} present; "
                                            f"{candidate.serving.get('predict')} scored {len(cand_scores)} rows"))
     except Exception as exc:  # noqa: BLE001 - any failure to load or run is this check's verdict
@@ -202,47 +186,84 @@ def run_gate(cfg: ReleaseConfig, candidate: LoadedModel, incumbent: LoadedModel 
         for name in ("schema", "metric", "slices", "latency"):
             checks.append(Check(name, False, "not run: the candidate is not loadable"))
         return checks
-
-    # 2. schema
-    if incumbent is None:
-        checks.append(Check("schema", True, f"no incumbent; inputs {_schema_str(schema)} found in {cfg.test_dataset}"))
-    elif incumbent.input_schema != schema:
-        checks.append(Check("schema", False, f"inputs {_schema_str(schema)} differ from the incumbent's "
-                                              f"{_schema_str(incumbent.input_schema)} (dataset "
-                                              f"{incumbent.serving.get('dataset')})"))
-    else:
-        checks.append(Check("schema", True, f"inputs {_schema_str(schema)} equal the incumbent's (dataset "
-                                             f"{incumbent.serving.get('dataset')})"))
+    checks.append(_schema_check(cfg, schema, incumbent))  # 2.
     schema_ok = checks[-1].passed
-
     # 3. metric on the same test set; 4. slices
     y = data[cfg.label].astype(np.float64)
-    cand_value = fn(y, cand_scores, cfg.threshold)
     inc_scores = None
     if incumbent is not None and schema_ok:
         try:
             inc_scores = _scores(incumbent, {c: data[c] for c in schema}, cfg.batch_size)
         except Exception as exc:  # noqa: BLE001
             checks.append(Check("metric", False, f"the incumbent {incumbent.version[:12]} could not be scored: {exc}"))
-    if incumbent is None:
-        checks.append(Check("metric", True, f"no incumbent; {cfg.metric} {cand_value:.4f} on {cfg.test_dataset} "
-                                             f"({len(y)} rows)"))
-    elif not schema_ok:
-        checks.append(Check("metric", False, "not compared: input schemas differ"))
-    elif inc_scores is not None:
-        inc_value = fn(y, inc_scores, cfg.threshold)
-        delta = cand_value - inc_value if higher else inc_value - cand_value
-        checks.append(Check("metric", delta >= cfg.margin - 1e-12,
-                            f"{cfg.metric} {cand_value:.4f} vs incumbent {inc_value:.4f} on {cfg.test_dataset} "
-                            f"({len(y)} rows): {'+' if delta >= 0 else ''}{delta:.4f}, needs >= +{cfg.margin:.4f}"))
+    metric = _metric_check(cfg, fn, higher, y, cand_scores, inc_scores, incumbent is None, schema_ok)
+    if metric is not None:
+        checks.append(metric)
     if cfg.slices:
         checks.append(_slices(cfg, fn, higher, y, data[cfg.slices], cand_scores,
                               inc_scores if incumbent is not None and schema_ok else None, incumbent is None))
     else:
         checks.append(Check("slices", True, "no slices configured"))
+    checks.append(_latency_check(cfg, candidate, {c: data[c][:cfg.batch_size] for c in schema}))  # 5.
+    return checks
 
-    # 5. latency of one batch
-    batch = {c: data[c][:cfg.batch_size] for c in schema}
+
+def _load_and_score(cfg: ReleaseConfig, candidate: LoadedModel, ds: Any) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The test columns the gate reads, and the candidate's scores on them (the ``files`` check).
+
+    Raises:
+        GwenlakeError: a required file missing, no input schema, an input column missing from the test set;
+            whatever loading or running ``predict`` raises.
+    """
+    missing = [f for f in cfg.required_files if not (candidate.path / f).is_file()]
+    schema = candidate.input_schema
+    if missing:
+        raise GwenlakeError(f"missing files {missing}")
+    if not schema:
+        raise GwenlakeError("the version records no input schema (lineage.json 'serving')")
+    absent = [c for c in schema if c not in ds.columns]
+    if absent:
+        raise GwenlakeError(f"test dataset {cfg.test_dataset} lacks input columns {absent}")
+    data = ds.read(list(schema) + [cfg.label] + ([cfg.slices] if cfg.slices else []))
+    inputs = {c: data[c] for c in schema}
+    check_batch(schema, {c: a[:1] for c, a in inputs.items()}, f"{candidate.name} version "
+                f"{candidate.version[:12]} on {cfg.test_dataset}")
+    return data, _scores(candidate, inputs, cfg.batch_size)
+
+
+def _schema_check(cfg: ReleaseConfig, schema: Any, incumbent: LoadedModel | None) -> Check:
+    """The ``schema`` check: the candidate's inputs equal the incumbent's (any, without an incumbent)."""
+    if incumbent is None:
+        return Check("schema", True, f"no incumbent; inputs {_schema_str(schema)} found in {cfg.test_dataset}")
+    if incumbent.input_schema != schema:
+        return Check("schema", False, f"inputs {_schema_str(schema)} differ from the incumbent's "
+                                      f"{_schema_str(incumbent.input_schema)} (dataset "
+                                      f"{incumbent.serving.get('dataset')})")
+    return Check("schema", True, f"inputs {_schema_str(schema)} equal the incumbent's (dataset "
+                                 f"{incumbent.serving.get('dataset')})")
+
+
+def _metric_check(cfg: ReleaseConfig, fn: Callable, higher: bool, y: np.ndarray, cand: np.ndarray,
+                  inc: np.ndarray | None, no_incumbent: bool, schema_ok: bool) -> Check | None:
+    """The ``metric`` check: the candidate's metric at least ``margin`` better than the incumbent's on the same
+    rows; None when the incumbent could not be scored (that failure is the check, already recorded)."""
+    cand_value = fn(y, cand, cfg.threshold)
+    if no_incumbent:
+        return Check("metric", True, f"no incumbent; {cfg.metric} {cand_value:.4f} on {cfg.test_dataset} "
+                                     f"({len(y)} rows)")
+    if not schema_ok:
+        return Check("metric", False, "not compared: input schemas differ")
+    if inc is None:
+        return None
+    inc_value = fn(y, inc, cfg.threshold)
+    delta = cand_value - inc_value if higher else inc_value - cand_value
+    return Check("metric", delta >= cfg.margin - 1e-12,
+                 f"{cfg.metric} {cand_value:.4f} vs incumbent {inc_value:.4f} on {cfg.test_dataset} "
+                 f"({len(y)} rows): {'+' if delta >= 0 else ''}{delta:.4f}, needs >= +{cfg.margin:.4f}")
+
+
+def _latency_check(cfg: ReleaseConfig, candidate: LoadedModel, batch: Mapping[str, np.ndarray]) -> Check:
+    """The ``latency`` check: the median of 5 timed ``predict`` calls on one batch (after a warm-up call)."""
     candidate.predict(batch)  # warm-up: imports, weights loaded once
     times = []
     for _ in range(5):
@@ -250,10 +271,9 @@ def run_gate(cfg: ReleaseConfig, candidate: LoadedModel, incumbent: LoadedModel 
         candidate.predict(batch)
         times.append((time.perf_counter() - t0) * 1000)
     median = float(np.median(times))
-    checks.append(Check("latency", median <= cfg.latency_budget_ms,
-                        f"median {median:.2f} ms for {len(next(iter(batch.values())))} rows, budget "
-                        f"{cfg.latency_budget_ms:g} ms"))
-    return checks
+    return Check("latency", median <= cfg.latency_budget_ms,
+                 f"median {median:.2f} ms for {len(next(iter(batch.values())))} rows, budget "
+                 f"{cfg.latency_budget_ms:g} ms")
 
 
 def _slices(cfg: ReleaseConfig, fn: Callable, higher: bool, y: np.ndarray, values: np.ndarray,

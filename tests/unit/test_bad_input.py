@@ -13,7 +13,8 @@ from helpers.bad_input import USER_CLUSTER_FILE
 def test_a_cluster_file_with_only_the_connection_keys_takes_the_launcher_defaults(project, schema_line):
     from hydra import compose, initialize_config_dir
 
-    from gwenlake_hpc.job.config import SlurmLauncherConfig, register, typed_cluster
+    from gwenlake_hpc.job.config import SlurmLauncherConfig, register
+    from gwenlake_hpc.job.config_typed import typed_cluster
     from gwenlake_hpc.launch.remote import effective_launcher
 
     head = "defaults:\n  - cluster_schema\n  - _self_\n" if schema_line else ""

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from gwenlake_hpc.job.config import typed, typed_launcher
+from gwenlake_hpc.job.config_typed import typed, typed_launcher
 from gwenlake_hpc.base.errors import ConfigError
 
 
@@ -201,7 +201,7 @@ def test_a_bad_setting_exits_2_names_the_key_and_changes_nothing(trained, args, 
 
 
 def test_the_config_files_hydra_reads_are_checked_first_defaults_included(tmp_path):
-    from gwenlake_hpc.job.config import check_group_choices
+    from gwenlake_hpc.job.config_files import check_group_choices
 
     conf = tmp_path / "conf"
     (conf / "launcher").mkdir(parents=True)

@@ -19,6 +19,14 @@ snapshot (:class:`~gwenlake_hpc.stores.checkpoints.tensorfile.Snapshot`); :meth:
 Manifest format 2 (this version) records ``digest`` (the algorithm, XXH3-128) and per file ``size`` and
 ``digest``; format 1 manifests (sha256) still load. A manifest or state file of a newer format is refused with
 :class:`CheckpointFormatError` (exit 2) instead of being misread.
+
+One concern, kept in one module past 500 lines: the on-disk protocol of a run's checkpoints. The writer
+(:class:`PendingCheckpoint`: partial directory, mark, manifest, seal) and the reader (:class:`CheckpointStore`:
+listing, verification, set-aside, retention, cleanup of partials) share its names, its manifest and its
+invariants (only a sealed ``step-<n>`` with a manifest of this run key is a checkpoint; only a marked partial of
+this run is ours to remove), and the seal itself asks the store about a folder in its way. Durable writes go
+through :mod:`gwenlake_hpc.base.fsutil`. Which checkpoint a job resumes from is the job's decision
+(:mod:`gwenlake_hpc.job.resume`), made over these primitives.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ...base.errors import CheckpointError, CheckpointFormatError, ConfigError
-from ...base.fsutil import fsync_dir
+from ...base.fsutil import atomic_file, fsync_dir
 from .digest import DEFAULT_ALGORITHM, entry_digest, file_digest
 
 if TYPE_CHECKING:
@@ -91,10 +99,9 @@ def rank_state_name(rank: int) -> str:
     return f"{RANKS_DIR}/rank-{int(rank):05d}.json"
 
 
-def _fsync_path(path: Path, directory: bool = False) -> None:
-    if directory:
-        fsync_dir(path)
-        return
+def _fsync_file(path: Path) -> None:
+    """fsync a file where it lies: a checkpoint's files are not renamed one by one (``publish``) but sealed
+    together, their directory renamed into place once the manifest is written."""
     with open(path, "rb") as fh:
         os.fsync(fh.fileno())
 
@@ -192,7 +199,8 @@ class PendingCheckpoint:
             return
         self.dir = store.root / f".partial-{step:09d}-{uuid.uuid4().hex[:12]}"
         self.dir.mkdir(parents=True)
-        # The mark proves to a later cleanup that this directory is a partial checkpoint of this run.
+        # The mark proves to a later cleanup that this directory is a partial checkpoint of this run. Not
+        # fsynced: a mark lost in a crash leaves a partial cleanup will not touch, never a checkpoint misread.
         (self.dir / PARTIAL_MARK).write_text(json.dumps({"run_key": store.run_key, "pid": os.getpid()}))
         if buffers is not None:
             buffers.reset()
@@ -259,6 +267,7 @@ class PendingCheckpoint:
     def prepare(self, run_state: Mapping[str, Any]) -> None:
         """End of the ``with`` block: write the Run's state; later ``save_state`` calls no longer land here."""
         self._unregister()
+        # Written in place, fsynced by the seal with the other files (the directory is what gets renamed).
         with open(self.dir / RUN_STATE, "w") as fh:
             json.dump(run_state, fh, sort_keys=True)
 
@@ -297,19 +306,16 @@ class PendingCheckpoint:
             if rel in self._recorded:  # written and fsynced by save_state: never read again
                 files[rel] = self._recorded[rel]
                 continue
-            _fsync_path(p)
+            _fsync_file(p)
             files[rel] = {"size": p.stat().st_size, "digest": file_digest(p)}
         manifest = {"format": FORMAT, "writer": writer_version(), "digest": DEFAULT_ALGORITHM,
                     "run_key": self.store.run_key, "step": self.step, "created": time.time(), "files": files,
                     "metrics": self.metrics}
-        mpath = self.dir / MANIFEST
-        with open(mpath, "w") as fh:
+        with atomic_file(self.dir / MANIFEST, "w") as fh:
             json.dump(manifest, fh, sort_keys=True, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
         for d in sorted((p for p in self.dir.rglob("*") if p.is_dir()), reverse=True):
-            _fsync_path(d, directory=True)
-        _fsync_path(self.dir, directory=True)
+            fsync_dir(d)
+        fsync_dir(self.dir)
         final = self.store.root / f"step-{self.step:09d}"
         if final.exists():
             problem = self.store.problem_of(final)
@@ -320,11 +326,13 @@ class PendingCheckpoint:
             # someone's folder renamed under their feet: say where it went
             log.warning("%s was in the way of this run's checkpoint of step %d (%s); set aside as %s, kept for "
                         "inspection", final, self.step, problem, aside)
+        # A directory, so no publish (one file's fsync and os.replace, which would replace a rival's empty
+        # folder): its files and folders are fsynced above; the rename and the parent's fsync seal it.
         try:
             os.rename(self.dir, final)
         except OSError as exc:  # lost a race for the name: keep theirs, drop ours
             raise CheckpointError(f"could not seal the checkpoint of step {self.step} at {final}: {exc}") from exc
-        _fsync_path(self.store.root, directory=True)
+        fsync_dir(self.store.root)
         # The mark goes only now: a kill before the rename leaves a partial that cleanup can still prove ours.
         (final / PARTIAL_MARK).unlink(missing_ok=True)
         return Checkpoint(final, self.step, manifest)

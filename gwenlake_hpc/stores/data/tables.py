@@ -130,6 +130,36 @@ def import_table(
 
     src = Path(source).expanduser()
     dataset_name_parts(name)  # Fail on a bad name before reading a large file.
+    ext = _checked_source(src, chunk_rows)
+    wanted = _wanted_columns(src, ext, columns)
+    try:
+        # Pass 1: the dtype of each column over the whole file.
+        target, missing_total, widened = _column_dtypes(src, ext, wanted, chunk_rows)
+        text = [c for c in wanted if target[c] is None]
+        # Pass 2: each chunk converted to those dtypes, appended as it comes.
+        with DatasetWriter(data_root, name, attrs={"source": str(src.resolve())}) as writer:
+            for frame in _chunks(src, ext, wanted, chunk_rows, text=text):
+                writer.append({c: _series_to_array(c, frame[c], target[c]) for c in wanted})
+    except DataError:
+        raise
+    except (ValueError, OSError, pd.errors.ParserError) as err:  # pandas/pyarrow errors on a bad file
+        raise DataError(f"cannot import {src}: failed to read it ({err})") from err
+    for c in wanted:
+        if widened[c]:
+            log.warning("%s: integer column %r has %d missing values; storing it as float64 with NaN",
+                        src, c, widened[c])
+        elif target[c] is None and missing_total[c]:
+            log.warning("%s: string column %r has %d missing values; storing them as ''", src, c, missing_total[c])
+    assert writer.revision is not None
+    return writer.revision
+
+
+def _checked_source(src: Path, chunk_rows: Any) -> str:
+    """The table's extension (``.csv``, ``.parquet``, ``.pq``), lower case.
+
+    Raises:
+        DataError: ``chunk_rows`` not an integer >= 1, no such file, an unknown extension.
+    """
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer)) or chunk_rows < 1:
         raise DataError(f"cannot import {src}: chunk_rows must be an integer >= 1, got {chunk_rows!r}")
     if not src.is_file():
@@ -139,6 +169,17 @@ def import_table(
         raise DataError(
             f"cannot import {src}: unknown extension {src.suffix!r}; expected .csv, .parquet or .pq"
         )
+    return ext
+
+
+def _wanted_columns(src: Path, ext: str, columns: list[str] | str | None) -> list[str]:
+    """The columns to import, in order: ``columns`` (one name or a list), else all of the file's.
+
+    Raises:
+        DataError: the file's header cannot be read, a column is not in it, or none is selected.
+    """
+    import pandas as pd
+
     try:
         if ext == ".csv":
             available = [str(c) for c in pd.read_csv(src, nrows=0).columns]
@@ -158,36 +199,29 @@ def import_table(
         )
     if not wanted:
         raise DataError(f"cannot import {src}: no columns selected; available columns: {available}")
-    try:
-        # Pass 1: the dtype of each column over the whole file.
-        target: dict[str, np.dtype | None] = {}
-        missing_total = dict.fromkeys(wanted, 0)
-        widened = dict.fromkeys(wanted, 0)
-        for i, frame in enumerate(_chunks(src, ext, wanted, chunk_rows, text=[])):
-            for c in wanted:
-                dtype, n_missing, wide = _chunk_dtype(src, c, frame[c])
-                missing_total[c] += n_missing
-                widened[c] += n_missing if wide else 0
-                if i == 0:
-                    target[c] = dtype
-                elif target[c] is None or dtype is None:
-                    target[c] = None
-                else:
-                    target[c] = np.result_type(target[c], dtype)
-        text = [c for c in wanted if target[c] is None]
-        # Pass 2: each chunk converted to those dtypes, appended as it comes.
-        with DatasetWriter(data_root, name, attrs={"source": str(src.resolve())}) as writer:
-            for frame in _chunks(src, ext, wanted, chunk_rows, text=text):
-                writer.append({c: _series_to_array(c, frame[c], target[c]) for c in wanted})
-    except DataError:
-        raise
-    except (ValueError, OSError, pd.errors.ParserError) as err:  # pandas/pyarrow errors on a bad file
-        raise DataError(f"cannot import {src}: failed to read it ({err})") from err
-    for c in wanted:
-        if widened[c]:
-            log.warning("%s: integer column %r has %d missing values; storing it as float64 with NaN",
-                        src, c, widened[c])
-        elif target[c] is None and missing_total[c]:
-            log.warning("%s: string column %r has %d missing values; storing them as ''", src, c, missing_total[c])
-    assert writer.revision is not None
-    return writer.revision
+    return wanted
+
+
+def _column_dtypes(src: Path, ext: str, wanted: list[str], chunk_rows: int
+                   ) -> tuple[dict[str, np.dtype | None], dict[str, int], dict[str, int]]:
+    """The first pass over the table: each column's dtype over all chunks (None: text), its count of missing
+    values, and of those that widen an integer column to float64.
+
+    Raises:
+        DataError: a column of an unsupported dtype; pandas' and pyarrow's errors on a bad file pass.
+    """
+    target: dict[str, np.dtype | None] = {}
+    missing_total = dict.fromkeys(wanted, 0)
+    widened = dict.fromkeys(wanted, 0)
+    for i, frame in enumerate(_chunks(src, ext, wanted, chunk_rows, text=[])):
+        for c in wanted:
+            dtype, n_missing, wide = _chunk_dtype(src, c, frame[c])
+            missing_total[c] += n_missing
+            widened[c] += n_missing if wide else 0
+            if i == 0:
+                target[c] = dtype
+            elif target[c] is None or dtype is None:
+                target[c] = None
+            else:
+                target[c] = np.result_type(target[c], dtype)
+    return target, missing_total, widened

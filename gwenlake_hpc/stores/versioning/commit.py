@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ...base.errors import ConfigError
 from ...base.names import is_hex_id, split_model_name
@@ -71,6 +71,32 @@ def commit_model(repo: git.Repo | PathLike, model_name: str, src_dir: PathLike, 
     """
     group, name = split_model_name(model_name)
     ref = f"refs/heads/{BRANCH_PREFIX}{group}.{name}"
+    _check_arguments(message, code_commit, max_attempts)
+    repo = as_repo(repo)
+    files = collect_files(src_dir, extra_files)
+
+    with tempfile.TemporaryDirectory(prefix="gwenlake-commit-") as tmpdir:
+        b = TreeBuilder(repo, model_name, files, Path(tmpdir))
+        warn_bytes = _large_file_warning_bytes(large_file_warning_bytes)
+        if warn_bytes is not None:
+            b.warn_bytes = warn_bytes
+        env = dict(b.env, **identity_env(b.empty, b.env))
+        code_sha = rev(b.empty, env, code_commit) if code_commit else None
+        msg_file = Path(tmpdir) / "message"
+        msg_file.write_bytes((message.rstrip() + "\n\n" + _trailers(model_name, code_commit, code_sha, run))
+                             .encode("utf-8"))
+        branch = ref[len("refs/heads/"):]
+        # A failure while the branch did not move and was not locked is permanent (e.g. a branch
+        # named 'models' blocking 'models/...').
+        return compare_and_swap(b.run, ref, _version_maker(b, code_sha, msg_file, env),
+                                reflog=f"gwenlake_hpc: version of {model_name}", env=env,
+                                max_attempts=max_attempts, stuck=f"cannot move branch {branch}",
+                                what=f"could not commit a version of {model_name}: branch {branch} kept"
+                                     " moving or stayed locked")
+
+
+def _check_arguments(message: str, code_commit: str | None, max_attempts: int) -> None:
+    """Raises ConfigError: an empty message, a ``code_commit`` that is not a hex id, ``max_attempts`` < 1."""
     if not isinstance(message, str) or not message.strip():
         raise ConfigError("commit_model: message must be a non-empty string")
     if code_commit is not None and (not isinstance(code_commit, str)
@@ -78,51 +104,57 @@ def commit_model(repo: git.Repo | PathLike, model_name: str, src_dir: PathLike, 
         raise ConfigError(f"code_commit must be a hexadecimal commit id, got {code_commit!r}")
     if max_attempts < 1:
         raise ConfigError(f"max_attempts must be >= 1, got {max_attempts}")
-    repo = as_repo(repo)
-    files = collect_files(src_dir, extra_files)
 
-    with tempfile.TemporaryDirectory(prefix="gwenlake-commit-") as tmpdir:
-        b = TreeBuilder(repo, model_name, files, Path(tmpdir))
-        if large_file_warning_bytes is None and os.environ.get("GWENLAKE_LFS_WARN_MB"):
-            try:
-                large_file_warning_bytes = int(float(os.environ["GWENLAKE_LFS_WARN_MB"]) * 1024 * 1024)
-            except ValueError:
-                raise ConfigError(f"GWENLAKE_LFS_WARN_MB={os.environ['GWENLAKE_LFS_WARN_MB']!r} must be a"
-                                  " number of megabytes") from None
-        if large_file_warning_bytes is not None:
-            b.warn_bytes = large_file_warning_bytes
-        env = dict(b.env, **identity_env(b.empty, b.env))
-        code_sha = rev(b.empty, env, code_commit) if code_commit else None
-        trailers = f"{MODEL_TRAILER}: {model_name}\n"
-        if code_commit:
-            trailers += f"{CODE_TRAILER}: {code_sha or code_commit.lower()}\n"
-        if run:
-            if "\n" in run:
-                raise ConfigError(f"commit_model: run must be one line, got {run!r}")
-            trailers += f"{RUN_TRAILER}: {run}\n"
-        msg_file = Path(tmpdir) / "message"
-        msg_file.write_bytes((message.rstrip() + "\n\n" + trailers).encode("utf-8"))
 
-        def make(tip: str | None) -> tuple[str, str]:
-            tree = b.tree(code_sha or tip)
-            parents = [tip] if tip else []
-            if code_sha and code_sha != tip:
-                # a code commit already in the branch history would only clutter the graph
-                known = tip is not None and b.run("merge_base", "--is-ancestor", code_sha, tip,
-                                                  ok=(0, 1))[0] == 0
-                if not known:
-                    parents.append(code_sha)
-            args = [tree]
-            for parent in parents:
-                args += ["-p", parent]
-            _, out, _ = b.run("commit_tree", *args, "-F", str(msg_file), env=env)
-            new = out.decode().strip()
-            return new, new
+def _large_file_warning_bytes(given: int | None) -> int | None:
+    """``given``, else ``$GWENLAKE_LFS_WARN_MB`` megabytes in bytes, else None (the builder's default).
 
-        branch = ref[len("refs/heads/"):]
-        # A failure while the branch did not move and was not locked is permanent (e.g. a branch
-        # named 'models' blocking 'models/...').
-        return compare_and_swap(b.run, ref, make, reflog=f"gwenlake_hpc: version of {model_name}", env=env,
-                                max_attempts=max_attempts, stuck=f"cannot move branch {branch}",
-                                what=f"could not commit a version of {model_name}: branch {branch} kept"
-                                     " moving or stayed locked")
+    Raises:
+        ConfigError: ``GWENLAKE_LFS_WARN_MB`` is not a number.
+    """
+    if given is None and os.environ.get("GWENLAKE_LFS_WARN_MB"):
+        try:
+            return int(float(os.environ["GWENLAKE_LFS_WARN_MB"]) * 1024 * 1024)
+        except ValueError:
+            raise ConfigError(f"GWENLAKE_LFS_WARN_MB={os.environ['GWENLAKE_LFS_WARN_MB']!r} must be a"
+                              " number of megabytes") from None
+    return given
+
+
+def _trailers(model_name: str, code_commit: str | None, code_sha: str | None, run: str | None) -> str:
+    """The version's trailer lines: ``Gwenlake-Model``, ``Gwenlake-Code-Commit``, ``Gwenlake-Run``.
+
+    Raises:
+        ConfigError: ``run`` holds a newline.
+    """
+    trailers = f"{MODEL_TRAILER}: {model_name}\n"
+    if code_commit:
+        trailers += f"{CODE_TRAILER}: {code_sha or code_commit.lower()}\n"
+    if run:
+        if "\n" in run:
+            raise ConfigError(f"commit_model: run must be one line, got {run!r}")
+        trailers += f"{RUN_TRAILER}: {run}\n"
+    return trailers
+
+
+def _version_maker(b: TreeBuilder, code_sha: str | None, msg_file: Path,
+                   env: Mapping[str, str]) -> Callable[[str | None], tuple[str, str]]:
+    """The compare-and-swap step: a new commit on the branch tip ``tip`` (None: no branch yet), returned twice
+    (the value to set and the result)."""
+    def make(tip: str | None) -> tuple[str, str]:
+        tree = b.tree(code_sha or tip)
+        parents = [tip] if tip else []
+        if code_sha and code_sha != tip:
+            # a code commit already in the branch history would only clutter the graph
+            known = tip is not None and b.run("merge_base", "--is-ancestor", code_sha, tip,
+                                              ok=(0, 1))[0] == 0
+            if not known:
+                parents.append(code_sha)
+        args = [tree]
+        for parent in parents:
+            args += ["-p", parent]
+        _, out, _ = b.run("commit_tree", *args, "-F", str(msg_file), env=env)
+        new = out.decode().strip()
+        return new, new
+
+    return make

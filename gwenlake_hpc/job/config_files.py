@@ -1,0 +1,178 @@
+"""The config files' checks that run before Hydra composes them, and the composed config's unknown keys.
+
+Hydra reports some mistakes with a traceback or with no key named: a ``GROUP=null`` override, a config file that
+is not valid YAML (or repeats a key), a misshapen ``defaults`` list, a file that is not a mapping, a value where
+the schema has a section, an empty launcher file. :func:`check_group_choices` reads the files the command line
+and ``config.yaml`` choose, before Hydra, and names the file, its line and the key. :func:`check_keys` then
+refuses a key of the composed config that no schema has (Hydra lets ``+job.foo=1`` in and OmegaConf would drop
+it without a word). The schemas, their rules and the conversion into them are :mod:`gwenlake_hpc.job.config`'s.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from ..base.errors import ConfigError
+from .config import (ClusterConfig, JobConfig, LauncherConfig, PathsConfig, SlurmLauncherConfig, StatsdConfig,
+                     TrackingConfig)
+from .config_typed import refuse_unknown_keys, refuse_unknown_top_keys
+
+
+def check_keys(cfg: Any) -> None:
+    """Refuse a key of the composed config ``cfg`` (a DictConfig) that no schema has, at the top level or under
+    a typed node (``job``, ``paths``, ``tracking``, ``statsd``, ``launcher`` by its ``name``, ``cluster`` and
+    their sections), before any work: Hydra lets ``+job.foo=1`` in and OmegaConf would drop it without a word.
+    Only keys are checked; values are :func:`typed`'s (a ``cluster=`` job is planned on the cluster).
+
+    Raises:
+        ConfigError: ``KEY: no such setting``, naming the closest setting.
+    """
+    from omegaconf import OmegaConf
+
+    refuse_unknown_top_keys(cfg)
+    for key, schema in (("job", JobConfig), ("paths", PathsConfig), ("tracking", TrackingConfig),
+                        ("statsd", StatsdConfig), ("launcher", None), ("cluster", ClusterConfig)):
+        if key not in cfg or OmegaConf.is_missing(cfg, key):
+            continue
+        data = cfg[key]
+        if key == "launcher" and OmegaConf.is_dict(data):
+            name = data.get("name", "local")
+            schema = SlurmLauncherConfig if name == "slurm" else LauncherConfig if name == "local" else None
+        if schema is not None:  # an unknown launcher.name: typed() names it
+            refuse_unknown_keys(data, schema, key)
+
+
+#: The config groups a command line chooses files of, and the schema each file's keys follow (a launcher file
+#: is checked against the SLURM launcher's, the larger one: unknown keys are the schema's own error).
+GROUP_SCHEMAS = {"job": JobConfig, "launcher": SlurmLauncherConfig, "cluster": ClusterConfig}
+
+
+def check_group_choices(overrides: Any, root: Path) -> None:
+    """Refuse a ``GROUP=null`` override and a config file under ``root`` (``config.yaml``, the ``conf/GROUP/NAME.yaml``
+    files the command line or config.yaml's defaults choose, and the files of their group their own defaults
+    name) where Hydra's own error would be a traceback or name no key: a file that is not valid YAML (or repeats a
+    key), a ``defaults`` that is not a list of names or ``GROUP: NAME`` pairs, a file that is not a mapping of
+    keys, a value that is not a mapping where the schema has a section (``cluster.launcher``,
+    ``launcher.container``), an empty launcher file (it would run the job locally without a word). Missing or
+    unreadable files, and every other mistake, are left to Hydra and the schemas.
+
+    Raises:
+        ConfigError: naming the override, or the file (and line) and the key, and the fix.
+    """
+    chosen: dict[str, str] = {}
+    for ov in overrides:
+        key, eq, name = str(ov).lstrip("+").partition("=")
+        if not eq or key not in GROUP_SCHEMAS:
+            continue
+        if name.strip() in ("null", ""):
+            raise ConfigError(f"{ov}: {key} takes the name of a file conf/{key}/NAME.yaml"
+                              + ("; leave cluster= out to run without a cluster" if key == "cluster" else ""))
+        chosen[key] = name
+    primary = _read_config_file(root / "config.yaml", "config")
+    for entry in (primary.get("defaults") or []) if isinstance(primary, dict) else []:
+        if isinstance(entry, dict) and len(entry) == 1:  # `- launcher: local`: the choice when none is given
+            (group, name), = entry.items()
+            if group in GROUP_SCHEMAS and isinstance(name, str):
+                chosen.setdefault(group, name)
+    seen: set[Path] = set()
+    for key, names in chosen.items():
+        for name in names.split(","):  # a sweep over files: launcher=a,b
+            _check_group_file(root, key, name.strip(), seen)
+
+
+def _check_group_file(root: Path, key: str, name: str, seen: set) -> None:
+    """Check ``root/key/name.yaml`` (see :func:`check_group_choices`) and the files of its group it names."""
+    path = root / key / f"{name}.yaml"
+    if path in seen or not path.is_file():
+        return
+    seen.add(path)
+    data = _read_config_file(path, key)
+    if data is None and key == "launcher":
+        raise ConfigError(f"launcher ({path}) is empty: write `name: slurm` and the sbatch settings in it to submit "
+                          "to SLURM (see conf/launcher/slurm.yaml), or choose launcher=local to run here")
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{key} ({path}): the file holds a {type(data).__name__}, not a mapping: write one "
+                          f"KEY: VALUE line per setting")
+    for entry in (data or {}).get("defaults") or []:
+        if isinstance(entry, str) and entry != "_self_":  # another file of the group, e.g. a shared base
+            _check_group_file(root, key, entry, seen)
+    _check_sections(data or {}, GROUP_SCHEMAS[key], key)
+
+
+@functools.lru_cache(maxsize=None)
+def _strict_loader() -> type:
+    """A safe YAML loader (libyaml's when installed: a few times faster) that, as OmegaConf's, which Hydra reads
+    config files with, refuses a key given twice in one mapping."""
+    import yaml
+
+    class StrictLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            keys = set()
+            for key_node, _ in node.value:
+                if key_node.tag == yaml.resolver.BaseResolver.DEFAULT_SCALAR_TAG:
+                    if key_node.value in keys:
+                        raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                                f"found duplicate key {key_node.value}",
+                                                                key_node.start_mark)
+                    keys.add(key_node.value)
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
+
+
+def _read_config_file(path: Path, key: str) -> Any:
+    """The data of the config file ``path`` (None when empty, missing or unreadable: Hydra's to report), its
+    ``defaults`` list checked.
+
+    Raises:
+        ConfigError: not valid YAML (file, line, the parser's words), a key given twice, a misshapen ``defaults``.
+    """
+    import yaml
+
+    try:
+        text = path.read_text()
+    except (OSError, ValueError):
+        return None
+    try:
+        data = yaml.load(text, Loader=_strict_loader())
+    except yaml.YAMLError as exc:
+        mark, at = getattr(exc, "problem_mark", None), getattr(exc, "context_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        context = getattr(exc, "context", None)
+        said = f" ({context} at line {at.line + 1}, column {at.column + 1})" if context and at else ""
+        raise ConfigError(f"{path}{f', line {mark.line + 1}' if mark else ''}: not valid YAML: {problem}{said}; "
+                          "fix the file") from None
+    if isinstance(data, dict) and "defaults" in data:
+        defaults = data["defaults"]
+        how = ("write one `- NAME` line per entry under `defaults:` (e.g. `- slurm_schema` then `- _self_`), "
+               "or remove it")
+        if not isinstance(defaults, list):
+            raise ConfigError(f"{key} ({path}): defaults: {defaults!r} is not a list: {how}")
+        for entry in defaults:
+            ok = isinstance(entry, str) or (
+                isinstance(entry, dict) and len(entry) == 1 and all(
+                    v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(i, str) for i in v))
+                    for v in entry.values()))
+            if not ok:
+                raise ConfigError(f"{key} ({path}): defaults entry {entry!r}: give a name (`- slurm_schema`) or one "
+                                  "GROUP: NAME pair (`- launcher: slurm`)")
+    return data
+
+
+def _check_sections(data: dict, schema: type, prefix: str) -> None:
+    """Refuse a value of ``data`` that is not a mapping where ``schema`` has a section (a dataclass field)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    for name, value in data.items():
+        kind = hints.get(name)
+        kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)  # Optional[X] -> X
+        if not dataclasses.is_dataclass(kind) or value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"{prefix}.{name}={value!r}: give a section, its keys indented on the lines under "
+                              f"`{name}:` (the keys of {kind.__name__})")
+        _check_sections(value, kind, f"{prefix}.{name}")
