@@ -3,7 +3,8 @@
 A start of a run either finishes nothing (the run already committed a version for these ``job.steps`` /
 ``job.epochs``: :func:`finished_with`), starts afresh, or resumes from a sealed checkpoint of its run directory.
 :func:`resume_point` decides which, and why, from the job's settings (``job.resume``, ``job.steps``) over the
-checkpoint store's primitives (:class:`~gwenlake_hpc.stores.checkpoints.CheckpointStore`: ``complete`` lists
+checkpoint store's primitives and its resume rule (:func:`~gwenlake_hpc.stores.checkpoints.resume.resume_from`,
+shared with the Run: ``auto``/``never``), the store (:class:`~gwenlake_hpc.stores.checkpoints.CheckpointStore`: ``complete`` lists
 the sealed checkpoints, ``latest`` verifies them newest first and sets damaged ones aside,
 ``set_aside_if_damaged``). The store knows nothing of the job's settings; the rules live here:
 
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..base.errors import ConfigError
 from ..base.fsutil import read_json
 from ..stores.checkpoints import Checkpoint, CheckpointStore, DamagedFileError
+from ..stores.checkpoints.resume import resume_from
 
 if TYPE_CHECKING:
     from ..runtime.run import Run
@@ -75,18 +77,14 @@ def resume_point(p: JobPlan) -> ResumePoint:
     done = finished_with(read_json(p.run_dir / "run.json", default=None) or {}, p.steps, p.epochs)
     if done is not None:
         return ResumePoint(None, True, f"finished at step {done.get('final_step')} as version {done['version']}")
-    folder = p.run_dir / "checkpoints"
-    existing = CheckpointStore(folder, p.key).complete() if folder.is_dir() else []
-    if p.resume == "never" and existing:
-        raise ConfigError(f"job.resume=never but {folder} already holds checkpoints of this run; nothing is "
-                          "deleted: move them away or use job.resume=auto")
-    if p.steps is not None and existing and existing[-1].step > p.steps:
-        raise ConfigError(f"job.steps={p.steps} is below step {existing[-1].step} of this run's newest checkpoint; "
-                          f"use job.steps>={existing[-1].step}, or a new run name (job.model=...)")
-    if not existing:
+    newest = resume_from(CheckpointStore(p.run_dir / "checkpoints", p.key), p.resume, verify=False)
+    if p.steps is not None and newest is not None and newest.step > p.steps:
+        raise ConfigError(f"job.steps={p.steps} is below step {newest.step} of this run's newest checkpoint; "
+                          f"use job.steps>={newest.step}, or a new run name (job.model=...)")
+    if newest is None:
         return ResumePoint(None, False, f"no checkpoint of this run yet (job.resume={p.resume}): from step 0")
-    return ResumePoint(existing[-1], False, f"job.resume=auto: the newest sealed checkpoint, {existing[-1].path.name} "
-                                            "(an older one if its files are damaged)")
+    return ResumePoint(newest, False, f"job.resume=auto: the newest sealed checkpoint, {newest.path.name} "
+                                      "(an older one if its files are damaged)")
 
 
 def retry_after_damaged_load(run: Run, exc: DamagedFileError) -> bool:

@@ -29,8 +29,10 @@ from typing import Any, ContextManager, Iterable, Iterator, Mapping
 
 from ..base import rules
 from ..stores.checkpoints import Checkpoint, CheckpointStore
+from ..stores.checkpoints.resume import RESUME_CHOICES, resume_from
 from ..stores.checkpoints.writer import async_default
 from .distributed import Dist
+from .feed import batch_stream, is_plan, resolve_total, warn_persistent_workers
 from ..base.errors import ConfigError
 from .progress import Progress
 from .rng import rng_state, seed_everything, set_rng_state, shield_workers
@@ -40,51 +42,6 @@ from .signals import StopRequest
 from .timing import StepTimes
 
 log = logging.getLogger("gwenlake_hpc.run")
-
-
-def _length_of(batches: Any) -> int | None:
-    """``len(batches)``, or None when unknown: no ``__len__``, or one that raises ``TypeError`` (a torch DataLoader
-    over an ``IterableDataset`` without ``__len__``)."""
-    if batches is None or not hasattr(batches, "__len__"):
-        return None
-    try:
-        return len(batches)
-    except TypeError:
-        return None
-
-
-def _is_plan(batches: Any) -> bool:
-    """Whether ``batches`` is a gwenlake ``Batches`` (an ``epoch(e, start=, seed=)`` method), not a plain iterable
-    (``IterableBatches`` has an ``epoch`` number)."""
-    return callable(getattr(batches, "epoch", None))
-
-
-def set_epoch(batches: Any, epoch: int) -> int:
-    """Call ``set_epoch(epoch)`` on each object that fixes the order of the plain iterable ``batches``.
-
-    As Lightning's ``_set_sampler_epoch`` and Accelerate's ``DataLoaderShard.set_epoch``: the iterable itself,
-    a ``DataLoader``'s ``dataset`` (an ``IterableBatches``), ``sampler`` (a ``DistributedSampler``),
-    ``batch_sampler`` and ``batch_sampler.sampler``, each object once; those without a callable ``set_epoch``
-    are skipped. Returns how many were called (0 for a list).
-    """
-    batch_sampler = getattr(batches, "batch_sampler", None)
-    found: dict[int, Any] = {}  # by id: samplers may be unhashable, and one may be reached twice
-    for obj in (batches, getattr(batches, "dataset", None), getattr(batches, "sampler", None), batch_sampler,
-                getattr(batch_sampler, "sampler", None)):
-        if obj is not None and callable(getattr(obj, "set_epoch", None)):
-            found.setdefault(id(obj), obj)
-    for obj in found.values():
-        obj.set_epoch(epoch)
-    return len(found)
-
-
-def _warn_persistent_workers(batches: Any) -> None:
-    dataset = getattr(batches, "dataset", None)
-    if getattr(batches, "persistent_workers", False) and getattr(batches, "num_workers", 0) > 0 \
-            and callable(getattr(dataset, "set_epoch", None)):
-        log.warning("DataLoader(persistent_workers=True) keeps the copy of %s its workers got at the first epoch: "
-                    "set_epoch does not reach them and every epoch repeats that order; use "
-                    "persistent_workers=False", type(dataset).__name__)
 
 
 class Run:
@@ -131,7 +88,7 @@ class Run:
         rules.whole_number("job.steps", steps, 0)
         rules.whole_number("job.epochs", epochs)
         rules.whole_number("job.eval_every", "null" if eval_every is None else eval_every)
-        rules.choice("job.resume", resume, ("auto", "never"))
+        rules.choice("job.resume", resume, RESUME_CHOICES)
         rules.choice("job.on_nonfinite", on_nonfinite, ("stop", "warn"))
         self.run_dir = Path(run_dir)
         self.run_key = run_key
@@ -158,7 +115,7 @@ class Run:
         self.at_eval = False
         self.stopping = False
         self.evicted = False
-        # RNG states when the current pass over a plain iterable began (saved in checkpoints, see _batch_stream).
+        # RNG states when the current pass over a plain iterable began (saved in checkpoints, see feed.batch_stream).
         self._epoch_rng: dict[str, Any] | None = None
         self._iterated = False
         self._times = StepTimes()
@@ -171,7 +128,8 @@ class Run:
         """The checkpoint this run resumes from (None: from step 0).
 
         Rank 0 removes the partial checkpoints an interrupted writer left, and chooses the newest complete one
-        (setting damaged ones aside) when ``resume`` is ``auto``; every rank resumes from its choice.
+        (setting damaged ones aside) by the resume rule (:func:`~gwenlake_hpc.stores.checkpoints.resume.resume_from`);
+        every rank resumes from its choice.
 
         Raises:
             ConfigError: ``resume`` is ``never`` and the store already holds checkpoints of this run.
@@ -182,10 +140,7 @@ class Run:
             removed = self.store.clean_partials()
             if removed:
                 log.info("removed %d partial checkpoint(s) left by an interrupted writer", len(removed))
-            latest = self.store.latest() if resume == "auto" else None
-            if resume == "never" and self.store.complete():
-                raise ConfigError(f"job.resume=never but {self.store.root} already holds checkpoints of this "
-                                  "run; nothing is deleted: move them away or use job.resume=auto")
+            latest = resume_from(self.store, resume, verify=True)
         name = self.dist.broadcast(latest.path.name if latest else None)
         if not self.dist.is_main and name is not None:
             latest = self.store.open(name)
@@ -249,89 +204,8 @@ class Run:
         return per_epoch * (self.epochs or 1)
 
     # -- the loop ----------------------------------------------------------------------------------------------
-    def _sharded(self, batches: Any) -> bool:
-        return self.world_size > 1 and _is_plan(batches) and hasattr(batches, "__len__")
-
-    def _resolve_total(self, batches: Any) -> tuple[int, int | None]:
-        per_epoch = _length_of(batches)
-        if per_epoch == 0:
-            raise ConfigError("run.steps(): the batches are empty (0 batches per epoch)")
-        if per_epoch is not None and self._sharded(batches):
-            per_epoch //= self.world_size
-            if per_epoch == 0:
-                raise ConfigError(f"run.steps(): {_length_of(batches)} batches per epoch cannot be shared by "
-                                  f"{self.world_size} ranks; use a smaller batch_size or fewer tasks")
-        if self._steps_setting is not None:
-            total = self._steps_setting
-        elif self.epochs is not None:
-            if per_epoch is None:
-                raise ConfigError("job.epochs is set but run.steps() got batches of unknown length; "
-                                  "set job.steps instead")
-            total = self.epochs * per_epoch
-        elif per_epoch is not None:
-            total = per_epoch
-        else:
-            raise ConfigError("the training length is unknown: set job.steps or job.epochs")
-        return total, per_epoch
-
-    def _batch_stream(self, batches: Any, per_epoch: int | None, start: int,
-                      resume: dict[str, Any] | None = None) -> Iterator[tuple[int, Any]]:
-        """Yield ``(epoch, batch)`` from global batch index ``start`` on, forever.
-
-        ``resume``: the checkpoint's Run state whose RNG states a plain iterable's stream restores itself
-        (see below); None when :meth:`steps` restored them already.
-        """
-        if batches is None:
-            while True:
-                yield 0, None
-        if _is_plan(batches) and per_epoch:
-            # gwenlake Batches: the data position is computed, skipped batches are never read. A rank of a
-            # multi-task run reads its own contiguous shard of each epoch's order.
-            epoch, pos = divmod(start, per_epoch)
-            shard = self.rank * per_epoch if self._sharded(batches) else 0
-            while True:
-                it = batches.epoch(epoch, start=shard + pos, seed=self.seed)
-                for _ in range(per_epoch - pos):
-                    yield epoch, next(it)
-                epoch, pos = epoch + 1, 0
-        # Any other re-iterable (a list, a DataLoader): skipping means reading.
-        if start:
-            log.warning("resuming at batch %d of a plain iterable: the skipped batches are read and dropped; "
-                        "use Input(...).batches() to resume without reading them", start)
-        # Beginning a pass may draw from the global RNGs (a DataLoader's iterator draws its workers' base seed,
-        # a RandomSampler its order's seed), and without workers reading a batch may too. So a resume that lands
-        # mid-pass begins it from the RNG states the pass began with (saved in the checkpoint), reads the
-        # skipped batches, then restores the checkpoint's states: the batches, the workers' seeds and the
-        # training's own stream are those of an uninterrupted run.
-        epoch, pos = (divmod(start, per_epoch) if per_epoch else (0, start))
-        while True:
-            if resume is not None and pos == 0:  # the pass begins right after the checkpoint's step
-                set_rng_state(resume["rng"])
-                resume = None
-            elif resume is not None and resume.get("rng_epoch_start"):
-                set_rng_state(resume["rng_epoch_start"])
-            self._epoch_rng = rng_state(torch_if_imported=True)
-            set_epoch(batches, epoch)  # before iter(): a DataLoader hands its workers the dataset then
-            it = iter(batches)
-            produced = 0
-            while True:
-                if resume is not None and produced == pos:
-                    set_rng_state(resume["rng"])
-                    resume = None
-                try:
-                    b = next(it)
-                except StopIteration:
-                    break
-                produced += 1
-                if produced > pos:
-                    yield epoch, b
-            if produced == 0:
-                raise ConfigError("run.steps(): the batches yielded nothing")
-            if per_epoch is None and pos >= produced:
-                pos -= produced
-            else:
-                pos = 0
-            epoch += 1
+    def _pass_began(self, rng: dict[str, Any]) -> None:
+        self._epoch_rng = rng
 
     def steps(self, batches: Iterable[Any] | None = None) -> Iterator[tuple[int, Any]]:
         """Iterate the training: yields ``(step, batch)`` for steps ``start_step + 1 .. total``.
@@ -340,7 +214,7 @@ class Run:
             batches: ``Input(...).batches(...)`` (resumable without reading skipped data; epochs repeat with a
                 new order), any re-iterable of batches (repeated over epochs; a resume reads the skipped
                 ones), or None (the batch is None, for trainings that make their own data). Before each pass
-                over a re-iterable, the resumed one included, :func:`set_epoch` gives it the epoch number
+                over a re-iterable, the resumed one included, :func:`~.feed.set_epoch` gives it the epoch number
                 (an ``IterableBatches``, a ``DataLoader``'s dataset or ``DistributedSampler``).
 
         Before each step ``at_eval`` is fixed: true at multiples of ``eval_every``, at the last step, and when
@@ -405,10 +279,10 @@ class Run:
         if self._iterated:
             raise RuntimeError("run.steps() can be iterated once per training")
         self._iterated = True
-        total, per_epoch = self._resolve_total(batches)
+        total, per_epoch = resolve_total(batches, self._steps_setting, self.epochs, self.world_size)
         self.total_steps = total
         shield_workers(batches)
-        _warn_persistent_workers(batches)
+        warn_persistent_workers(batches)
         was = (self._run_state or {}).get("world_size", 1)
         if self._run_state is not None and self._steps_setting is None and was != self.world_size:
             # An epoch is len(batches) // world_size steps: another number of ranks changes the run's length.
@@ -417,8 +291,8 @@ class Run:
                               f"{was} task(s), or set job.steps, or start a new run (job.model=...)")
         resume = self._run_state
         if resume is not None and (batches is None or self.start_step >= total
-                                   or (_is_plan(batches) and per_epoch)):
-            set_rng_state(resume["rng"])  # else the stream restores it, see _batch_stream
+                                   or (is_plan(batches) and per_epoch)):
+            set_rng_state(resume["rng"])  # else the stream restores it, see feed.batch_stream
             resume = None
         if self.resumed:
             log.info("resuming from step %d (%s)", self.start_step, self.resume_path)
@@ -431,7 +305,8 @@ class Run:
             return None, total
         self._progress = self._metrics.progress = Progress(total, self.start_step, self._progress_mode,
                                                            self._progress_every_s)
-        return self._batch_stream(batches, per_epoch, self.start_step, resume), total
+        return batch_stream(batches, per_epoch, self.start_step, rank=self.rank, world_size=self.world_size,
+                            seed=self.seed, on_pass=self._pass_began, resume=resume), total
 
     def _stopped_after(self, step: int) -> None:
         """The loop ends after ``step``, the last one of a stop request."""
@@ -499,7 +374,7 @@ class Run:
             "tracking_run_id": getattr(self.tracker, "run_id", None),
             "time": time.time(),
         }
-        if self._epoch_rng is not None:  # the RNG states the current pass began with: see Run._batch_stream
+        if self._epoch_rng is not None:  # the RNG states the current pass began with: see feed.batch_stream
             state["rng_epoch_start"] = self._epoch_rng
         return state
 

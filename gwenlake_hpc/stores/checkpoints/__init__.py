@@ -8,6 +8,7 @@
   snapshots for asynchronous writes.
 - :mod:`.writer`: the background thread that seals asynchronous checkpoints, one at a time.
 - :mod:`.digest`: the file digests of manifests (XXH3-128; sha256 for format 1).
+- :mod:`.resume`: the resume rule (``job.resume=auto|never``) over a store, shared by the job and the Run.
 """
 
 from .store import (MANIFEST, RANKS_DIR, RUN_STATE, BufferPool, Checkpoint, CheckpointFormatError, CheckpointStore,

@@ -1,0 +1,42 @@
+"""The resume rule over a run's checkpoint store: which sealed checkpoint a start resumes from.
+
+One rule, two readers: :func:`gwenlake_hpc.job.resume.resume_point` (before a job is submitted or trains:
+manifests only, ``verify=False``) and the Run as it starts (``verify=True``: the files are checked against
+their manifests and a damaged newer checkpoint is set aside). ``resume`` is the ``job.resume`` setting:
+
+- ``auto``: the newest sealed checkpoint (with ``verify``, the newest intact one);
+- ``never``: none, and a store that already holds checkpoints of this run is refused (nothing is deleted).
+
+The job's own rules (a finished run, ``job.steps`` below the newest step) are in :mod:`gwenlake_hpc.job.resume`.
+"""
+
+from __future__ import annotations
+
+from ...base.errors import ConfigError
+from .store import Checkpoint, CheckpointStore
+
+#: The accepted values of ``job.resume``.
+RESUME_CHOICES = ("auto", "never")
+
+
+def resume_from(store: CheckpointStore, resume: str, *, verify: bool) -> Checkpoint | None:
+    """The checkpoint of ``store`` a start resumes from under ``job.resume=resume``, or None (from step 0).
+
+    With ``verify`` the files are hashed (:meth:`CheckpointStore.latest`) and damaged checkpoints set aside;
+    without, only manifests are read and nothing is written.
+
+    Raises:
+        ConfigError: ``resume`` is ``never`` and the store holds checkpoints of this run, or ``resume`` is not
+            one of :data:`RESUME_CHOICES`.
+    """
+    if resume not in RESUME_CHOICES:
+        raise ConfigError(f"job.resume={resume!r}: use one of {', '.join(RESUME_CHOICES)}")
+    existing = store.complete() if store.root.is_dir() else []
+    if resume == "never":
+        if existing:
+            raise ConfigError(f"job.resume=never but {store.root} already holds checkpoints of this run; nothing is "
+                              "deleted: move them away or use job.resume=auto")
+        return None
+    if not existing:
+        return None
+    return store.latest() if verify else existing[-1]
