@@ -86,6 +86,27 @@ def single_line(key: str, value: Any, where: str = "") -> None:
         raise ConfigError(f"{key}={value!r}: control characters (newlines) are not allowed{' in ' + where if where else ''}")
 
 
+#: One item of sbatch's ``--gres``: ``name[:type][:count]`` (``gpu``, ``gpu:2``, ``gpu:a100:2``), count >= 1.
+_GRES_ITEM_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*(?::[A-Za-z0-9_.-]*[A-Za-z_.-][A-Za-z0-9_.-]*)?(?::[1-9][0-9]*)?")
+
+
+def gres(key: str, value: Any) -> None:
+    """Refuse a ``--gres`` value sbatch would refuse after the job was planned (exit 1 instead of 2).
+
+    Accepts None and comma-separated items ``name[:type][:count]``: ``gpu``, ``gpu:2``, ``gpu:a100:2``,
+    ``gpu:a100:2,shard:1`` (the type is not all digits, the count a positive whole number).
+
+    Raises:
+        ConfigError: naming the key and the accepted forms.
+    """
+    if value is None:
+        return
+    items = str(value).split(",")
+    if not all(_GRES_ITEM_RE.fullmatch(item) for item in items):
+        raise ConfigError(f"{key}={value!r}: give generic resources as NAME[:TYPE][:COUNT], comma-separated "
+                          "(gpu:2, gpu:a100:2, gpu:a100:2,shard:1), or null")
+
+
 def env_name(key: str, name: Any) -> None:
     """Refuse an environment variable name a shell cannot ``export`` (letters, digits, ``_``; no leading digit).
 

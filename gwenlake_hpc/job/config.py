@@ -280,6 +280,7 @@ class SlurmLauncherConfig(LauncherConfig):
                               "(1 MiB), or null for the cluster's default")
         for key in ("partition", "account", "qos", "gres", "constraint", "exclude"):
             rules.single_line(f"launcher.{key}", getattr(self, key), "sbatch options")
+        rules.gres("launcher.gres", self.gres)
         for name in self.env:
             rules.env_name(f"launcher.env.{name}", name)
         for name in self.secrets:

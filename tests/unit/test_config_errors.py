@@ -129,6 +129,10 @@ def trained(tmp_path_factory):
     (["+job=t", "launcher=slurm", "launcher.container.runtime=docker"], "launcher.container.runtime='docker'"),
     (["+job=t", "launcher=slurm", "launcher.mem_gb=inf"], "launcher.mem_gb=inf: must be a finite number"),
     (["+job=t", "launcher=slurm", "launcher.mem_gb=1e-9"], "at least 1/1024 (1 MiB)"),  # not --mem=0: all of it
+    # the adversarial pass's input: sbatch refused it after the plan (exit 1)
+    (["+job=t", "launcher=slurm", "launcher.gres=gpu:a:b"],
+     "launcher.gres='gpu:a:b': give generic resources as NAME[:TYPE][:COUNT]"),
+    (["+job=t", "launcher=slurm", "launcher.gres=gpu:0"], "launcher.gres='gpu:0'"),
     (["+job=t", "launcher=slurm", "launcher.timeout_min=99999999999"], "from 1 to 525600"),
     # what the run's checkpoints rule out is refused at submission, not after hours in the queue
     (["+job=t", "launcher=slurm", "job.steps=5"], "job.steps=5 is below step 20"),
