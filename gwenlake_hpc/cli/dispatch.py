@@ -257,9 +257,10 @@ def _refuse_before_hydra(argv: Sequence[str], conf: Path) -> int | None:
     """The exit status of a command line refused before Hydra reads it (the reason printed), or None.
 
     What Hydra would report with a traceback or without naming the key: an unquoted non-ASCII value, a
-    ``GROUP=null``, a broken config file (:func:`gwenlake_hpc.job.config_files.check_group_choices`).
+    ``GROUP=null``, a broken config file (:func:`gwenlake_hpc.job.config_files.check_group_choices`), a
+    mistyped key or a value of the wrong type in a plain override (:func:`~gwenlake_hpc.job.config_files.check_overrides`).
     """
-    from ..job.config_files import check_group_choices
+    from ..job.config_files import check_group_choices, check_overrides
 
     for arg in argv:  # Hydra's lexer refuses unquoted non-ASCII values with no hint: say how to quote them
         key, eq, value = arg.partition("=")
@@ -269,6 +270,7 @@ def _refuse_before_hydra(argv: Sequence[str], conf: Path) -> int | None:
             return EXIT_USAGE
     try:
         check_group_choices(argv, conf)
+        check_overrides(argv)
     except GwenlakeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -17,7 +17,7 @@ from typing import Any
 from ..base.errors import ConfigError
 from .config import (ClusterConfig, JobConfig, LauncherConfig, PathsConfig, SlurmLauncherConfig, StatsdConfig,
                      TrackingConfig)
-from .config_typed import refuse_unknown_keys, refuse_unknown_top_keys
+from .config_typed import did_you_mean, refuse_unknown_keys, refuse_unknown_top_keys, schema_fields
 
 
 def check_keys(cfg: Any) -> None:
@@ -176,3 +176,87 @@ def _check_sections(data: dict, schema: type, prefix: str) -> None:
             raise ConfigError(f"{prefix}.{name}={value!r}: give a section, its keys indented on the lines under "
                               f"`{name}:` (the keys of {kind.__name__})")
         _check_sections(value, kind, f"{prefix}.{name}")
+
+
+#: The typed sections a plain ``KEY=VALUE`` override is checked against before Hydra (the launcher against the
+#: SLURM launcher's schema, the larger one: a SLURM key under the local launcher is :func:`check_keys`'s).
+_OVERRIDE_SCHEMAS = {"job": JobConfig, "paths": PathsConfig, "tracking": TrackingConfig, "statsd": StatsdConfig,
+                     "launcher": SlurmLauncherConfig, "cluster": ClusterConfig}
+_KINDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
+
+
+def check_overrides(argv: Any) -> None:
+    """Refuse a plain ``SECTION.KEY=VALUE`` override of the command line whose key no schema has, or whose value
+    cannot be converted to the key's type, before Hydra: Hydra's own message suggests ``+KEY`` for a mistyped
+    key (``job.stesp=10``) and prints OmegaConf's internals for a bad value (``job.steps=abc``).
+
+    Free-form mappings (``job.params``, ``launcher.env``...) are not checked here (``job.params`` is the training
+    function's config dataclass's), nor are sweeps (``a,b``), interpolations, ``+``/``~`` overrides and group
+    choices; an override Hydra cannot parse is left to Hydra.
+
+    Raises:
+        ConfigError: ``KEY: no such setting (did you mean ...?)`` or ``KEY=VALUE: give <kind>``.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+    from hydra.errors import HydraException
+
+    plain = [a for a in argv if "=" in a and not a.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(plain)
+    except HydraException:
+        return
+    for o in overrides:
+        section, _, rest = o.key_or_group.partition(".")
+        if o.type is not OverrideType.CHANGE or not rest or section not in _OVERRIDE_SCHEMAS or o.package:
+            continue
+        value = None if o.is_sweep_override() else o.value()
+        _check_override(o.key_or_group, rest.split("."), _OVERRIDE_SCHEMAS[section], section, value,
+                        checkable=not o.is_sweep_override() and not (isinstance(value, str) and "${" in value))
+
+
+def _check_override(key: str, parts: list[str], schema: type, prefix: str, value: Any, checkable: bool) -> None:
+    import types
+    import typing
+
+    for i, name in enumerate(parts):
+        hints, sections = schema_fields(schema)
+        if name not in hints:
+            raise ConfigError(f"{key}: no such setting{did_you_mean(name, hints, prefix + '.')}: correct its name "
+                              f"({prefix} takes {', '.join(hints)})")
+        prefix = f"{prefix}.{name}"
+        if name in sections:
+            schema = sections[name]
+            continue
+        if i < len(parts) - 1 or not checkable:
+            return  # inside a free-form mapping (job.params.lr, launcher.env.X) or a sweep: not ours to check
+        kind = hints[name]
+        optional = typing.get_origin(kind) in (typing.Union, types.UnionType) and type(None) in typing.get_args(kind)
+        if optional:  # Optional[X] -> X; a List[str] stays a list (not checked here)
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        _check_value(key, value, kind, optional)
+
+
+def _check_value(key: str, value: Any, kind: Any, optional: bool) -> None:
+    """Refuse ``value`` that OmegaConf would not convert to ``kind`` (as Hydra would, with its internals)."""
+    if kind not in _KINDS or (value is None and optional):
+        return
+    from omegaconf import OmegaConf, ValidationError
+
+    try:
+        OmegaConf.structured(_holder(kind, optional)).v = value
+    except ValidationError:
+        null = " or null" if optional else ""
+        raise ConfigError(f"{key}={value!r}: give {_KINDS[kind]}{null}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _holder(kind: type, optional: bool) -> type:
+    """A one-field dataclass of type ``kind`` (``Optional`` when ``optional``): OmegaConf's own conversion."""
+    import dataclasses
+    import typing
+
+    from omegaconf import MISSING
+
+    return dataclasses.make_dataclass("_Holder", [("v", typing.Optional[kind] if optional else kind,
+                                                   dataclasses.field(default=None if optional else MISSING))])

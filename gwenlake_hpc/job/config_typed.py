@@ -78,11 +78,11 @@ def refuse_unknown_top_keys(cfg: Any) -> None:
     """
     for key in cfg.keys():
         if key not in _TOP_KEYS:
-            raise ConfigError(f"{key}: no such setting at the top level{_did_you_mean(str(key), _TOP_KEYS, '')} "
+            raise ConfigError(f"{key}: no such setting at the top level{did_you_mean(str(key), _TOP_KEYS, '')} "
                               f"(it takes {', '.join(_TOP_KEYS[:-1])}): remove it or correct its name")
 
 
-def _did_you_mean(key: str, names: Any, prefix: str) -> str:
+def did_you_mean(key: str, names: Any, prefix: str) -> str:
     """`` (did you mean PREFIX.NAME?)`` for the name of ``names`` closest to a mistyped ``key``, or ''."""
     import difflib
 
@@ -91,7 +91,7 @@ def _did_you_mean(key: str, names: Any, prefix: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _hints(schema: type) -> tuple[dict[str, Any], dict[str, type]]:
+def schema_fields(schema: type) -> tuple[dict[str, Any], dict[str, type]]:
     """The fields of ``schema`` with their types, and those that are sections (dataclasses, ``Optional`` or not);
     cached: a sweep checks hundreds of task configs."""
     import typing
@@ -121,18 +121,18 @@ def refuse_unknown_keys(data: Any, schema: type, prefix: str) -> None:
 
     if not isinstance(data, (dict, DictConfig)):
         return  # a value of the wrong shape: the schema's own type error names it
-    hints, sections = _hints(schema)
+    hints, sections = schema_fields(schema)
     for key in data.keys():
         if key in hints:
             continue
         full = f"{prefix}.{key}"
-        if schema is LauncherConfig and key in _hints(SlurmLauncherConfig)[0]:
+        if schema is LauncherConfig and key in schema_fields(SlurmLauncherConfig)[0]:
             raise ConfigError(f"{full} is a setting of launcher=slurm: add `name: slurm` to this launcher's file "
                               "conf/launcher/NAME.yaml (without it the job runs here, locally), or give "
                               "launcher=slurm")
         listed = f"; {prefix} takes {', '.join(hints)}" if len(hints) <= 12 else \
             f"; {prefix} takes the keys of {schema.__name__} (gwenlake_hpc/job/config.py)"
-        raise ConfigError(f"{full}: no such setting{_did_you_mean(str(key), hints, prefix + '.')}: remove it or "
+        raise ConfigError(f"{full}: no such setting{did_you_mean(str(key), hints, prefix + '.')}: remove it or "
                           f"correct its name{listed}")
     for key, kind in sections.items():
         try:

@@ -129,6 +129,15 @@ def trained(tmp_path_factory):
     (["+job=t", "launcher=slurm", "launcher.container.runtime=docker"], "launcher.container.runtime='docker'"),
     (["+job=t", "launcher=slurm", "launcher.mem_gb=inf"], "launcher.mem_gb=inf: must be a finite number"),
     (["+job=t", "launcher=slurm", "launcher.mem_gb=1e-9"], "at least 1/1024 (1 MiB)"),  # not --mem=0: all of it
+    # plain overrides checked before Hydra (the adversarial pass's inputs: Hydra said "use +job.stesp=10", or
+    # printed OmegaConf's internals)
+    (["+job=t", "job.stesp=10"], "job.stesp: no such setting (did you mean job.steps?)"),
+    (["+job=t", "job.steps=abc"], "job.steps='abc': give a whole number or null"),
+    (["+job=t", "launcher=slurm", "launcher.timeout_min=1.5"], "launcher.timeout_min=1.5: give a whole number"),
+    (["+job=t", "launcher=slurm", "launcher.partiton=x"], "launcher.partiton: no such setting (did you mean "
+                                                          "launcher.partition?)"),
+    (["+job=t", "launcher=slurm", "launcher.container.imag=x"], "did you mean launcher.container.image?"),
+    (["+job=t", "tracking.flush_interval_s=fast"], "tracking.flush_interval_s='fast': give a number"),
     # the adversarial pass's input: sbatch refused it after the plan (exit 1)
     (["+job=t", "launcher=slurm", "launcher.gres=gpu:a:b"],
      "launcher.gres='gpu:a:b': give generic resources as NAME[:TYPE][:COUNT]"),
