@@ -287,11 +287,12 @@ class _DcpReader:
     def load(self, fqn: str, into: torch.Tensor) -> None:
         """Read the full tensor ``fqn`` into ``into`` (CPU, its saved shape and dtype), in place."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         try:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load({fqn: into}, storage_reader=self._reader, no_dist=True)
-        except Exception as exc:  # DCP wraps a missing file, a short read... in CheckpointException
+        except (Exception, CheckpointException) as exc:  # DCP's own is a BaseException (a missing file...)
             raise CheckpointError(f"{self.dir}: tensor {fqn!r} cannot be read: {type(exc).__name__}: "
                                   f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}") from exc
