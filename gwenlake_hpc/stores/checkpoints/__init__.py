@@ -9,6 +9,8 @@
 - :mod:`.writer`: the background thread that seals asynchronous checkpoints, one at a time.
 - :mod:`.digest`: the file digests of manifests (XXH3-128; sha256 for format 1).
 - :mod:`.resume`: the resume rule (``job.resume=auto|never``) over a store, shared by the job and the Run.
+- :mod:`.consolidate`: one safetensors model file from a sharded (DTensor) model or a DCP folder, tensor
+  by tensor.
 """
 
 from .store import (MANIFEST, RANKS_DIR, RUN_STATE, BufferPool, Checkpoint, CheckpointFormatError, CheckpointStore,

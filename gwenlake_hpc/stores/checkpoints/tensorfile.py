@@ -152,6 +152,46 @@ def write_tensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     return lay.size, hasher.hexdigest()
 
 
+def write_layout(path: str | os.PathLike, lay: Layout, tensors: Iterable[torch.Tensor],
+                 algorithm: str = DEFAULT_ALGORITHM) -> tuple[int, str]:
+    """Write the file ``lay`` describes, taking its tensors one at a time from ``tensors``, hashed on the way.
+
+    For writers whose tensors never exist all at once (gathered one by one from a sharded model, read one by
+    one from a checkpoint folder): ``lay`` comes from :func:`layout` over stand-ins of the right shapes and
+    dtypes (``device="meta"`` tensors), and ``tensors`` yields, for each entry of ``lay.entries`` that has bytes
+    (``end > begin``), in that order, the tensor whose bytes go there (any device, any strides). Each one is
+    released before the next is asked for, so this holds one tensor (and its host copy) at most. The write is
+    durable as :func:`write_tensors`'s: temporary file, one fsync, rename, directory fsync.
+
+    Returns:
+        ``(size in bytes, hex digest with algorithm)``.
+
+    Raises:
+        CheckpointError: a tensor's byte size differs from its entry's, or ``tensors`` ends early (the file is
+            not put in place). OSError: the write failed (the temporary file is removed).
+    """
+    wanted = [(name, end - begin) for name, _t, begin, end in lay.entries if end > begin]
+
+    def chunks() -> Iterable[memoryview]:
+        yield memoryview(lay.header)
+        source = iter(tensors)
+        for name, nbytes in wanted:
+            t = next(source, None)
+            if t is None:
+                raise CheckpointError(f"{path}: no tensor was given for {name!r}")
+            if t.numel() * t.element_size() != nbytes:
+                raise CheckpointError(f"{path}: tensor {name!r} has {t.numel() * t.element_size()} bytes, its "
+                                      f"header says {nbytes}")
+            data = _host_bytes(t)
+            del t
+            yield data
+            del data  # before the next tensor is asked for: one at a time
+
+    hasher = new_hasher(algorithm)
+    _write_file(Path(path), chunks(), hasher)
+    return lay.size, hasher.hexdigest()
+
+
 def _raise_with_path(exc: BaseException, path: Path) -> None:
     """Re-raise ``exc``; an OSError without a file name (os.write's) gets ``path``, so the message names it."""
     if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:

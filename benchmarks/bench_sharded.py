@@ -1,0 +1,295 @@
+"""Benchmark of sharded checkpoints (a script, not a test): 2 gloo ranks, FSDP2 model + AdamW state.
+
+The script starts itself twice with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), builds
+on each rank a model of 1024x1024 float32 linear layers whose parameters and AdamW state (``exp_avg``,
+``exp_avg_sq``) total ``--size-mib`` MiB, shards it with ``fully_shard`` and takes one optimizer step. Side by
+side in one run, per rank (each rank's figure on its own line, ``_rank0`` / ``_rank1``):
+
+- ``write_full_model`` (one consolidated safetensors model file, tensor by tensor) time, and its extra peak RSS
+  (``VmHWM`` reset through ``/proc/self/clear_refs``) over the rank's shard of the whole state and over the
+  largest full tensor; measured first, before the other figures' allocations are there to be reused;
+- the loop blocking of ``dcp.async_save`` and of ``dcp.save`` of the sharded state, and the same of
+  ``with run.checkpoint() as ck: save_state(...)`` with ``--ours`` (the sharded ``save_state`` of issue 23,
+  item 1; ``n/a`` with the reason when it is not there, or without ``--ours``);
+- a raw write + fsync of as many bytes as the rank's shard, against ``dcp.save`` of it;
+- ``dcp.load`` of that checkpoint on the 2 ranks, and on 1 process (rank 0, ``no_dist``, into an unsharded
+  model), which reshards.
+
+Prints one ``name value`` line per figure (seconds, bytes or ratios), from rank 0; ratios of issue 23's targets
+add ``target OP X met|MISSED``. Every timing is the median of ``--repeat`` runs, with a barrier before each.
+Usage: ``python benchmarks/bench_sharded.py [--size-mib 256] [--dir DIR] [--repeat 3] [--ours]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+WIDTH = 1024
+
+
+def vm_bytes(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mib", type=float, default=256.0)
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--ours", action="store_true", help="also time run.checkpoint() + sharded save_state")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are stopped")
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        return worker(args)
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-sharded-", dir=args.dir))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    try:
+        for rank in range(2):
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                   "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "BENCH_DIR": str(tmp),
+                   "GWENLAKE_DIST_TIMEOUT_S": str(int(args.timeout))}
+            procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env=env,
+                                          stdout=None if rank == 0 else subprocess.DEVNULL))
+        deadline = time.monotonic() + args.timeout
+        for p in procs:
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"rank_timed_out after {args.timeout:.0f} s (the figures above are complete)", flush=True)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    sys.exit(max(p.returncode or 0 for p in procs))
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gwenlake_hpc.runtime.distributed import setup
+    from gwenlake_hpc.stores.checkpoints.consolidate import write_full_model
+
+    warnings.simplefilter("ignore", UserWarning)  # FSDP2's and DCP's notices, once per call
+    torch.set_num_threads(1)
+    d = setup()
+    rank, world = d.rank, d.world_size
+    tmp = Path(os.environ["BENCH_DIR"])
+    # Parameters + exp_avg + exp_avg_sq: three float32 copies of each layer.
+    layers = max(1, round(args.size_mib * 2**20 / (3 * WIDTH * WIDTH * 4)))
+
+    def build(shard: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
+        if shard:
+            mesh = init_device_mesh("cpu", (world,))
+            for layer in model:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(2, WIDTH)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        return model, opt
+
+    model, opt = build(shard=True)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+
+    def local_bytes(value) -> int:
+        if isinstance(value, dict):
+            return sum(local_bytes(v) for v in value.values())
+        if isinstance(value, torch.Tensor):
+            t = value.to_local() if hasattr(value, "to_local") else value
+            return t.numel() * t.element_size()
+        return 0
+
+    shard_bytes = local_bytes(state)
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    out: list[tuple[str, str]] = []  # this rank's figures, printed by rank 0 in order
+
+    def figure(name: str, value) -> None:
+        out.append((name, f"{value:.3f}" if isinstance(value, float) else str(value)))
+
+    def timed(fn, before=None) -> float:
+        times = []
+        for i in range(args.repeat):
+            if before is not None:
+                before(i)
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn(i)
+            times.append(time.perf_counter() - t0)
+        dist.barrier()
+        return statistics.median(times)
+
+    figure("state_bytes", full_bytes)
+    figure("shard_bytes", shard_bytes)
+
+    # write_full_model first: later figures' freed memory would otherwise be reused and hide its peak.
+    base = vm_bytes("VmRSS")
+    peaked = reset_peak()
+    t0 = time.perf_counter()
+    write_full_model(tmp / "model-0.safetensors", model)
+    first = time.perf_counter() - t0
+    peak = vm_bytes("VmHWM") - base if peaked else None
+    figure("write_full_model_first_s", first)
+    figure("write_full_model_s", timed(lambda i: write_full_model(tmp / f"model-{i}.safetensors", model)))
+    if peak is not None:
+        figure("write_full_model_extra_peak_rss_over_shard", peak / shard_bytes)
+        figure("write_full_model_extra_peak_rss_over_largest_tensor", peak / largest)
+
+    def clean(i):
+        dist.barrier()
+        if rank == 0:
+            for p in tmp.glob("dcp-*"):
+                shutil.rmtree(p, ignore_errors=True)
+
+    # Every rank writes the same folder: dcp.save is collective, its checkpoint_id must agree.
+    save_s = timed(lambda i: dcp.save(state, checkpoint_id=str(tmp / f"dcp-{i}")), clean)
+    figure("dcp_save_block_s", save_s)
+    blocks = []
+    for i in range(args.repeat):
+        clean(i)
+        dist.barrier()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(state, checkpoint_id=str(tmp / f"dcp-{i}"))
+        blocks.append(time.perf_counter() - t0)
+        fut.result()
+        dist.barrier()
+    async_s = statistics.median(blocks)
+    figure("dcp_async_save_block_s", async_s)
+
+    chunk = bytearray(64 << 20)
+
+    def raw_write(i):
+        with open(tmp / f"raw-{rank}.bin", "wb", buffering=0) as fh:
+            left = shard_bytes
+            while left > 0:
+                left -= fh.write(memoryview(chunk)[:min(left, len(chunk))])
+            os.fsync(fh.fileno())
+
+    raw_s = timed(raw_write)
+    figure("raw_write_fsync_shard_s", raw_s)
+
+    ck = str(tmp / f"dcp-{args.repeat - 1}")  # the last async_save's, left by clean()
+    load_s = timed(lambda i: dcp.load(state, checkpoint_id=ck))
+    figure("dcp_load_2_ranks_s", load_s)
+    if rank == 0:  # the 2-rank checkpoint into an unsharded model on 1 process: DCP reshards
+        plain, plain_opt = build(shard=False)
+        pm, po = get_state_dict(plain, plain_opt)
+        times = []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            dcp.load({"model": pm, "optim": po}, checkpoint_id=ck, no_dist=True)
+            times.append(time.perf_counter() - t0)
+        load1_s = statistics.median(times)
+        figure("dcp_load_1_process_s", load1_s)
+    dist.barrier()
+
+    ours = "n/a (pass --ours once the sharded save_state of issue 23 item 1 is there)"
+    if args.ours:
+        ours = our_checkpoint(args, d, tmp, model, opt, timed)
+    figure("ours_run_checkpoint_block_s", ours)
+
+    def ratio(name: str, num, den, op: str | None = None, target: float | None = None) -> None:
+        if not isinstance(num, float) or not isinstance(den, float) or den <= 0:
+            figure(name, "n/a")
+            return
+        value = num / den
+        if op is None:
+            figure(name, value)
+            return
+        met = value <= target if op == "<=" else value >= target
+        figure(name, f"{value:.3f} target {op} {target} {'met' if met else 'MISSED'}")
+
+    ratio("ratio_ours_block_over_dcp_async_save", ours, async_s, "<=", 0.5)
+    ratio("ratio_dcp_async_save_block_over_dcp_save", async_s, save_s)
+    ratio("ratio_raw_write_over_dcp_save", raw_s, save_s)
+    if rank == 0:
+        ratio("ratio_dcp_load_1_process_over_2_ranks", load1_s, load_s)
+
+    everyone = [None] * world
+    dist.all_gather_object(everyone, out)
+    if rank == 0:
+        print(f"loadavg_1min {os.getloadavg()[0]:.2f}")
+        print(f"cpu_count {os.cpu_count()}")
+        print(f"world_size {world}")
+        for r, figures in enumerate(everyone):
+            for name, value in figures:
+                if name in ("state_bytes", "world_size") and r:
+                    continue
+                print(f"{name}{'' if name == 'state_bytes' else f'_rank{r}'} {value}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def our_checkpoint(args, d, tmp: Path, model, opt, timed):
+    """Loop blocking of ``run.checkpoint()`` + ``save_state`` of the sharded state, or ``n/a (why)``."""
+    import torch.distributed as dist
+
+    from gwenlake_hpc import save_state
+    from gwenlake_hpc.runtime.run import Run
+    from gwenlake_hpc.runtime.signals import StopRequest
+    from gwenlake_hpc.stores.tracking import NullTracker
+
+    try:
+        run = Run(run_dir=tmp / "run", run_key="bench", steps=10**9, epochs=None, eval_every=1, seed=0,
+                  tracker=NullTracker(), stop=StopRequest(), progress="off", dist=d)
+        steps = run.steps()
+        blocks = []
+        for _ in range(args.repeat + 1):
+            next(steps)
+            dist.barrier()
+            t0 = time.perf_counter()
+            with run.checkpoint() as ck:
+                save_state(ck.path("state.safetensors"), model=model, optimizer=opt)
+            blocks.append(time.perf_counter() - t0)
+            run.wait_for_checkpoint()
+        error = None
+    except Exception as exc:  # the API of issue 23 item 1 is not there yet: say so, go on
+        error = f"{type(exc).__name__}: {str(exc)[:100]}"
+    errors = [None] * d.world_size
+    dist.all_gather_object(errors, error)
+    failed = next((e for e in errors if e), None)
+    if failed:
+        return f"n/a ({failed})"
+    return statistics.median(blocks[1:])  # the first allocates the host buffer
+
+
+if __name__ == "__main__":
+    main()
