@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..base.errors import ConfigError
 from ..base.fsutil import read_json
 from ..stores.checkpoints import Checkpoint, CheckpointStore, DamagedFileError
-from ..stores.checkpoints.resume import resume_from
+from ..stores.checkpoints.resume import resume_from, resume_from_nothing
 
 if TYPE_CHECKING:
     from ..runtime.run import Run
@@ -77,7 +77,9 @@ def resume_point(p: JobPlan) -> ResumePoint:
     done = finished_with(read_json(p.run_dir / "run.json", default=None) or {}, p.steps, p.epochs)
     if done is not None:
         return ResumePoint(None, True, f"finished at step {done.get('final_step')} as version {done['version']}")
-    newest = resume_from(CheckpointStore(p.run_dir / "checkpoints", p.key), p.resume, verify=False)
+    folder = p.run_dir / "checkpoints"  # not created here: a refused or dry-run submission writes nothing
+    newest = resume_from(CheckpointStore(folder, p.key), p.resume, verify=False) if folder.is_dir() else \
+        resume_from_nothing(p.resume)
     if p.steps is not None and newest is not None and newest.step > p.steps:
         raise ConfigError(f"job.steps={p.steps} is below step {newest.step} of this run's newest checkpoint; "
                           f"use job.steps>={newest.step}, or a new run name (job.model=...)")

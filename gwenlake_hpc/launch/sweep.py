@@ -68,6 +68,8 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
         for c in unset:
             c["paths"]["model_repo"] = repo
     container_step(lc, containers[0], folder, write=False, others=containers[1:])  # refused before writing
+    if s.dry_run:
+        return _dry_run(configs, plans, lc)
     folder.mkdir(parents=True, exist_ok=True)
     # one secrets file per task (several tasks: submitit submits an array), each removed when its task ends
     secrets = write_secrets(lc, folder, tasks=len(containers))
@@ -100,6 +102,27 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
         failed = [t["job_id"] for t in tasks if t["state"] != "COMPLETED"]
         if failed:
             log.error("%d of %d task(s) did not complete: %s", len(failed), len(tasks), ", ".join(failed))
+    global LAST_SWEEP
+    LAST_SWEEP = tasks
+    return tasks
+
+
+def _dry_run(configs: Sequence[tuple[list[str], DictConfig]], plans: Sequence[Any],
+             lc: DictConfig) -> list[dict[str, Any]]:
+    """``launcher.dry_run=true`` for a sweep: every task checked, the array's tasks and the batch script of its
+    first task printed; nothing written, nothing submitted. Returns the tasks (no job id, no state)."""
+    import copy
+
+    from .slurm import render_script
+
+    first = copy.deepcopy(configs[0][1])
+    first.launcher = lc
+    print(f"# dry run: a job array of {len(configs)} task(s) (sbatch --array=0-{len(configs) - 1}) would be submitted; "
+          "each task runs this script with its own overrides; nothing was submitted")
+    print(render_script(first, plans[0].run_dir, plans[0].tracking_uri))
+    tasks = [{"job_id": f"dry-run_{i}", "run_dir": str(p.run_dir), "overrides": overrides, "state": None}
+             for i, ((overrides, _), p) in enumerate(zip(configs, plans))]
+    print_table([{k: v for k, v in t.items() if k != "state"} | {"state": "DRY-RUN"} for t in tasks])
     global LAST_SWEEP
     LAST_SWEEP = tasks
     return tasks

@@ -303,3 +303,28 @@ def test_the_run_and_fit_local_apply_the_same_rules(tmp_path):
     with pytest.raises(ConfigError, match="job.resume='later': use auto or never"):
         Run(steps=5, eval_every=1, resume="later", **common)
     assert not os.path.exists(tmp_path / "r")  # refused before the checkpoint store is made
+
+
+def test_a_sweep_dry_run_submits_nothing_and_writes_nothing(trained, monkeypatch, capfd, tmp_path):
+    """The adversarial pass's command: `-m ... launcher=slurm launcher.dry_run=true` called sbatch (a job array)."""
+    from gwenlake_hpc.cli.dispatch import main
+
+    fakebin = tmp_path / "bin"
+    fakebin.mkdir()
+    calls = tmp_path / "sbatch-calls"
+    (fakebin / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho refused >&2\nexit 1\n")
+    (fakebin / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fakebin}:{os.environ['PATH']}")
+    monkeypatch.chdir(trained.root)
+    monkeypatch.delenv("GWENLAKE_CONF", raising=False)
+    before = snapshot(trained.root)
+    runs = sorted(p.relative_to(trained.root) for p in (trained.root / "runs").rglob("*"))
+    code = main(["-m", "+job=t", "launcher=slurm", "launcher.dry_run=true", "job.tracking=false",
+                 "job.params.lr=1e-3,3e-4"])
+    out = capfd.readouterr().out
+    assert code == 0, out
+    assert not calls.exists(), calls.read_text()
+    assert "dry run: a job array of 2 task(s)" in out and "#SBATCH" in out, out
+    assert "job.params.lr=0.001" in out and "job.params.lr=0.0003" in out, out
+    assert snapshot(trained.root) == before
+    assert sorted(p.relative_to(trained.root) for p in (trained.root / "runs").rglob("*")) == runs  # no folder

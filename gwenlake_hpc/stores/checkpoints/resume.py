@@ -29,8 +29,7 @@ def resume_from(store: CheckpointStore, resume: str, *, verify: bool) -> Checkpo
         ConfigError: ``resume`` is ``never`` and the store holds checkpoints of this run, or ``resume`` is not
             one of :data:`RESUME_CHOICES`.
     """
-    if resume not in RESUME_CHOICES:
-        raise ConfigError(f"job.resume={resume!r}: use one of {', '.join(RESUME_CHOICES)}")
+    resume_from_nothing(resume)
     existing = store.complete() if store.root.is_dir() else []
     if resume == "never":
         if existing:
@@ -40,3 +39,14 @@ def resume_from(store: CheckpointStore, resume: str, *, verify: bool) -> Checkpo
     if not existing:
         return None
     return store.latest() if verify else existing[-1]
+
+
+def resume_from_nothing(resume: str) -> None:
+    """The rule where a run has no checkpoint folder yet: every start trains from step 0 (returns None).
+
+    Raises:
+        ConfigError: ``resume`` is not one of :data:`RESUME_CHOICES`.
+    """
+    if resume not in RESUME_CHOICES:
+        raise ConfigError(f"job.resume={resume!r}: use one of {', '.join(RESUME_CHOICES)}")
+    return None
