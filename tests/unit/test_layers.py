@@ -249,3 +249,20 @@ def test_every_module_has_its_paragraph_in_the_architecture_notes():
     modules = sorted(p.stem for p in PKG.rglob("*.py") if p.stem not in ("__init__", "__main__"))
     assert [m for m in modules if f"`{m}`" not in doc] == []
     assert [m for m in modules if f"`{m}`" not in layout] == []
+
+
+def test_logger_names_are_the_names_users_filter_on_not_module_paths():
+    """Logger names stayed when the modules moved into layer folders (``gwenlake_hpc.data.write``, not
+    ``gwenlake_hpc.stores.data.write``): every logger is named by a string, none by ``__name__``."""
+    new_folders = ("base", "stores", "runtime", "authoring")  # the layers that were flat modules before
+    names = {}
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "getLogger" and node.args:
+                arg = node.args[0]
+                assert not (isinstance(arg, ast.Name) and arg.id == "__name__"), f"{path.relative_to(PKG)}:{node.lineno}"
+                if isinstance(arg, ast.Constant):  # (others: loggers of other libraries, records replayed by name)
+                    names[arg.value] = path.relative_to(PKG)
+    assert {"gwenlake_hpc.data.write", "gwenlake_hpc.data.tables", "gwenlake_hpc.data.dataset"} <= set(names)
+    moved = {n: str(p) for n, p in names.items() if n.split(".")[1:2] and n.split(".")[1] in new_folders}
+    assert moved == {}, moved

@@ -18,7 +18,7 @@ from .batches import Batches
 from .format import FORMAT_VERSION, IMPORT_HINT, RESERVED_ATTRS, STRING_DTYPE
 from .revision import stored_revision
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("gwenlake_hpc.data.dataset")  # a name users filter on: kept when the module moved
 
 
 def _attr_str(value: Any) -> str:

@@ -22,7 +22,7 @@ from .format import FORMAT_VERSION, RESERVED_ATTRS, STRING_DTYPE, normalize_colu
 from .names import dataset_path
 from .revision import content_revision, stored_revision
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("gwenlake_hpc.data.write")  # a name users filter on: kept when the module moved
 
 #: Some shared file systems refuse to open a directory; the file itself is fsynced before the rename anyway.
 _BEST_EFFORT_DIR = True
