@@ -119,3 +119,26 @@ def test_without_entry_points_the_store_is_registered_once_mlflow_is_imported(tm
             raise RuntimeError("boom")
     assert mlflow.active_run() is None and tracker.points[-1] == ("before_boom", 1.0, 10)
     os.environ.pop("MLFLOW_TRACKING_URI", None)  # set_tracking_uri exported it
+
+
+def test_entry_points_naming_a_module_that_moved_are_stale_and_said_so(monkeypatch, caplog):
+    """The adversarial pass's case: a venv installed before the tracking modules moved names
+    `gwenlake_hpc.tracking.mlflow_plugin:JobStore`; MLflow refused the job's URI with a traceback. Now the entry
+    point counts as missing (the store is registered by hand) and one warning says to reinstall."""
+    import importlib.metadata as md
+
+    from gwenlake_hpc.stores.tracking.user_mlflow import fluent, sink
+
+    def fake(group=None, **_):
+        eps = md.EntryPoints([md.EntryPoint("gwenlake-job", "gwenlake_hpc.tracking.mlflow_plugin:JobStore",
+                                            "mlflow.tracking_store")])
+        return eps if group == "mlflow.tracking_store" else md.EntryPoints([])
+
+    monkeypatch.setattr(md, "entry_points", fake)
+    monkeypatch.setattr(sink, "_warned", set())
+    with caplog.at_level("WARNING", logger="gwenlake_hpc.tracking"):
+        assert fluent._plugins_installed() is False
+    assert "gwenlake_hpc.tracking.mlflow_plugin:JobStore, a module that no longer exists" in caplog.text
+    assert "pip install -e" in caplog.text
+    monkeypatch.undo()
+    assert fluent._plugins_installed() is True  # this checkout's own install

@@ -149,9 +149,28 @@ def _set_process_uri(uri: str) -> str | None:
 
 
 def _plugins_installed() -> bool:
-    from importlib.metadata import entry_points
+    """True when this environment's entry points name our MLflow store and its module exists.
 
-    return any(ep.name == SCHEME for ep in entry_points(group="mlflow.tracking_store"))
+    An install made before an upgrade moved the module (``pip install -e`` not run again) names a module that is
+    gone: MLflow would then refuse the job's URI. The store is then registered by hand (MLflow imported for
+    that), with one warning saying how to mend the install.
+    """
+    from importlib.metadata import entry_points
+    from importlib.util import find_spec
+
+    ours = [ep for ep in entry_points(group="mlflow.tracking_store") if ep.name == SCHEME]
+    if not ours:
+        return False
+    try:
+        stale = find_spec(ours[0].module) is None
+    except ImportError:  # a parent package that no longer exists
+        stale = True
+    if stale:
+        warn_once("stale", "this environment's gwenlake_hpc entry points name %s, a module that no longer exists "
+                           "(installed before an upgrade): run `pip install -e <checkout>` (or bash scripts/setup.sh) "
+                           "again; the MLflow store is registered by hand meanwhile", ours[0].value)
+        import mlflow  # noqa: F401 - its registries exist once it is imported
+    return not stale
 
 
 def _register_plugins() -> None:
