@@ -194,6 +194,7 @@ def run_hydra(argv: Sequence[str]) -> int:
     import hydra
 
     from ..job.config import conf_dir, register
+    from ..job.config_files import settable_launcher_overrides
 
     register()
     state = {"started": False, "code": 0}
@@ -207,6 +208,7 @@ def run_hydra(argv: Sequence[str]) -> int:
     refused = _refuse_before_hydra(argv, conf_dir())
     if refused is not None:
         return refused
+    argv = settable_launcher_overrides(argv, conf_dir())
     _choose_sweep_launcher(argv)
     saved = sys.argv
     sys.argv = [saved[0] if saved else "gwenlake_hpc", *argv]

@@ -260,3 +260,42 @@ def _holder(kind: type, optional: bool) -> type:
 
     return dataclasses.make_dataclass("_Holder", [("v", typing.Optional[kind] if optional else kind,
                                                    dataclasses.field(default=None if optional else MISSING))])
+
+
+def settable_launcher_overrides(argv: Any, root: Path) -> list[str]:
+    """``argv`` with each plain ``launcher.KEY=VALUE`` override of a setting the chosen launcher file leaves out
+    made ``++launcher.KEY=VALUE``, when that file names no schema in its ``defaults`` (a file of only
+    ``name: slurm`` and a few settings, as the SLURM guide allows).
+
+    Hydra composes such a file as an untyped node that refuses new keys (``use +launcher.dry_run=true``); its
+    keys are the schema's all the same (:func:`check_keys` and the typed conversion check them and their values).
+    Sweeps (``a,b``) and ``+``/``~`` overrides are left as they are.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+    from hydra.errors import HydraException
+
+    argv = list(argv)
+    name = next((a.partition("=")[2] for a in argv if a.startswith("launcher=")), None)
+    if name is None:
+        primary = _read_config_file(root / "config.yaml", "config")
+        name = next((e["launcher"] for e in (primary.get("defaults") or []) if isinstance(primary, dict)
+                     and isinstance(e, dict) and isinstance(e.get("launcher"), str)), None)
+    path = root / "launcher" / f"{name}.yaml"
+    if not name or "," in name or not path.is_file():
+        return argv
+    data = _read_config_file(path, "launcher")
+    if not isinstance(data, dict) or any(d in ("slurm_schema", "local_schema") for d in data.get("defaults") or []):
+        return argv
+    fields = schema_fields(SlurmLauncherConfig)[0]
+    for i, arg in enumerate(argv):
+        if not arg.startswith("launcher.") or "=" not in arg:
+            continue
+        try:
+            (o,) = OverridesParser.create().parse_overrides([arg])
+        except HydraException:
+            continue
+        top = o.key_or_group.split(".")[1]
+        if o.type is OverrideType.CHANGE and not o.is_sweep_override() and top in fields and top not in data:
+            argv[i] = "++" + arg
+    return argv

@@ -328,3 +328,28 @@ def test_a_sweep_dry_run_submits_nothing_and_writes_nothing(trained, monkeypatch
     assert "job.params.lr=0.001" in out and "job.params.lr=0.0003" in out, out
     assert snapshot(trained.root) == before
     assert sorted(p.relative_to(trained.root) for p in (trained.root / "runs").rglob("*")) == runs  # no folder
+
+
+def test_a_launcher_file_of_only_name_slurm_takes_plain_overrides(trained, monkeypatch, capfd, tmp_path):
+    """The adversarial pass's file: `name: slurm` + `partition: gpu`, no defaults line naming the schema. Hydra
+    refused `launcher.dry_run=true` ("use +launcher.dry_run=true"); the settings it leaves out now take plain
+    overrides, checked as any other."""
+    import shutil
+
+    from gwenlake_hpc.cli.dispatch import main
+
+    conf = tmp_path / "conf"
+    shutil.copytree(trained.root / "conf", conf)
+    (conf / "launcher" / "mine.yaml").write_text("name: slurm\npartition: gpu\n")
+    monkeypatch.chdir(trained.root)
+    monkeypatch.setenv("GWENLAKE_CONF", str(conf))
+    before = snapshot(trained.root)
+    assert main(["+job=t", "launcher=mine", "launcher.dry_run=true", "launcher.timeout_min=30",
+                 "job.tracking=false"]) == 0
+    out = capfd.readouterr().out
+    assert "#SBATCH --partition=gpu" in out and "#SBATCH --time=30" in out, out
+    assert main(["+job=t", "launcher=mine", "launcher.dry_run=true", "launcher.timeout_min=0",
+                 "job.tracking=false"]) == 2
+    said = capfd.readouterr()
+    assert "launcher.timeout_min=0: must be a whole number" in said.out + said.err
+    assert snapshot(trained.root) == before
