@@ -61,8 +61,12 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
 
     Tensors are copied to the CPU one at a time; dtypes and shapes are kept exactly.
 
+    Sharded states: when the model's or the optimizer's state dict holds DTensors (FSDP2, tensor parallelism),
+    ``path`` becomes a folder in torch.distributed.checkpoint's format written by every rank (a collective:
+    call it on every rank), synchronously even in an asynchronous checkpoint; see :mod:`.sharded`.
+
     Returns:
-        The path written.
+        The path written (for a sharded state on a rank other than 0, in the checkpoint's shared directory).
 
     Raises:
         CheckpointError: a value is neither a tensor nor JSON-able (the message names its path).
@@ -114,8 +118,10 @@ def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
     """Restore what :func:`save_state` wrote into the given objects.
 
     Args:
-        path: a file written by :func:`save_state`.
-        model: restored in place with its ``load_state_dict`` when given.
+        path: a file written by :func:`save_state`, or the DCP folder of a sharded state (read on any number of
+            ranks, into a sharded or a plain model; a collective where a process group exists).
+        model: restored in place with its ``load_state_dict`` when given (a sharded model from a plain file: each
+            rank keeps its shard of each tensor).
         optimizer: restored the same way (it moves its state to its parameters' device itself).
         scheduler: restored the same way.
         strict: passed to ``model.load_state_dict``.
@@ -129,7 +135,10 @@ def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
 
     Raises:
         DamagedFileError (a CheckpointError): a checkpoint file does not match its manifest; the job sets
-            that checkpoint aside and resumes from the previous intact one.
+            that checkpoint aside and resumes from the previous intact one. For a sharded state, raised on
+            every rank when any rank finds one of the files it reads damaged.
+        StateMismatchError (exit 2): a tensor's shape differs from the model's (named, with both shapes), or a
+            plain optimizer state given to a sharded optimizer.
         CheckpointFormatError: the file or its manifest was written by a newer gwenlake_hpc (exit 2).
         CheckpointError: the file is missing, not a safetensors file, not written by save_state, or lacks a
             part that was asked for (e.g. ``optimizer=`` given but no optimizer saved).
