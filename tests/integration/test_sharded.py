@@ -137,3 +137,28 @@ def test_a_flipped_byte_in_rank_1s_shard_sets_the_checkpoint_aside_and_both_rank
     rerun = launch(project, *FSDP, timeout=600)
     assert [r[0] for r in rerun] == [0, 0], _text(rerun)
     assert all("resuming from step 10" in so + se for _, so, se in rerun), _text(rerun)
+
+
+def test_a_plain_state_file_loads_into_the_sharded_model_or_names_the_tensor_and_both_shapes(tmp_path):
+    from helpers.project import make_test_project
+
+    from gwenlake_hpc import save_state
+
+    project = make_test_project(tmp_path / "project")
+    torch.manual_seed(7)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    init = save_state(tmp_path / "init.safetensors", model=plain)
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    ok = launch(project, *FSDP, "job.steps=5", env={"GWL_TEST_INIT_FROM": str(init), "GWL_TEST_DUMP": str(dump)},
+                timeout=600)
+    assert [r[0] for r in ok] == [0, 0], _text(ok)
+    loaded = torch.load(dump / "init.pt", weights_only=False)
+    for k, v in plain.state_dict().items():
+        assert torch.equal(loaded[k], v), k
+
+    bad = launch(project, *FSDP, "job.params.hidden=6", env={"GWL_TEST_INIT_FROM": str(init)}, timeout=600)
+    assert [r[0] for r in bad] == [2, 2], _text(bad)
+    assert all("tensor '0.weight' has shape [6, 4] in the model and [8, 4]" in so + se for _, so, se in bad), \
+        _text(bad)
+    assert init.is_file()  # nothing deleted

@@ -239,7 +239,8 @@ def fit_fsdp(data, output, run, config: Params):
 
     Hooks (besides GWL_TEST_SIGTERM_AT / GWL_TEST_SIGTERM_RANK): GWL_TEST_DUMP=dir makes rank 0 torch.save the full
     state right after each checkpoint (``saved-<step>.pt``) and right after the resume's load_state
-    (``loaded-<step>.pt``).
+    (``loaded-<step>-world-<n>.pt``); GWL_TEST_INIT_FROM=file loads a plain save_state file into the sharded model
+    first (dumped as ``init.pt``).
     """
     from safetensors.torch import save_file
 
@@ -256,6 +257,11 @@ def fit_fsdp(data, output, run, config: Params):
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
     dump = Path(os.environ["GWL_TEST_DUMP"]) if os.environ.get("GWL_TEST_DUMP") else None
+    if os.environ.get("GWL_TEST_INIT_FROM"):  # a plain save_state file into the sharded model
+        load_state(os.environ["GWL_TEST_INIT_FROM"], model=model)
+        full, _ = _full_state(model, opt)
+        if dump is not None and run.is_main:
+            torch.save(full, dump / "init.pt")
     if run.resumed:
         extra = load_state(run.resume_path / "state.safetensors", model=model, optimizer=opt)
         assert extra["step"] == run.start_step, extra
