@@ -10,6 +10,7 @@ aside on the rerun, which then resumes from the previous one on both ranks.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -41,8 +42,8 @@ def _equal_states(a, b):
 
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
-    """An uninterrupted 2-rank run, and one SIGTERMed on rank 1 during step 12 (both ranks end after step 12,
-    which wrote no checkpoint: the loop adds step 13... see below), before its rerun."""
+    """An uninterrupted 2-rank run, and one SIGTERMed on rank 1 during step 12 (step 12 wrote no checkpoint, so
+    both ranks end after step 13 with its eviction checkpoint), before its rerun."""
     from helpers.project import make_test_project
 
     project = make_test_project(tmp_path_factory.mktemp("sharded") / "project")
@@ -51,6 +52,9 @@ def interrupted(tmp_path_factory):
     ref = launch(project, *FSDP, "paths.runs_root=runs-ref", timeout=600)
     first = launch(project, *FSDP, env={"GWL_TEST_SIGTERM_AT": "12", "GWL_TEST_SIGTERM_RANK": "1",
                                         "GWL_TEST_DUMP": str(dump)}, timeout=600)
+    # The project as the interrupted run left it, for the resumes on other numbers of ranks (the first test
+    # resumes the original, and retention then deletes the checkpoint of step 13 there).
+    shutil.copytree(project.root, project.root.parent / "interrupted", ignore=shutil.ignore_patterns("runs-ref"))
     return project, dump, ref, first
 
 
@@ -88,12 +92,11 @@ def test_sigterm_then_rerun_is_bit_identical_and_the_manifest_lists_every_shard(
 def test_a_checkpoint_of_two_ranks_resumes_on_another_number_of_ranks(interrupted, world, tmp_path):
     project, dump, _, first = interrupted
     assert [r[0] for r in first] == [75, 75], _text(first)
-    import shutil
-
-    # A copy of the interrupted run's checkpoint of step 13 (the other test resumes the original)
-    other = tmp_path / "project"
-    shutil.copytree(project.root, other, ignore=shutil.ignore_patterns("runs-ref"))
     from helpers.project import Project
+
+    # A copy of the interrupted run's checkpoint of step 13 (the first test resumes the original)
+    other = tmp_path / "project"
+    shutil.copytree(project.root.parent / "interrupted", other)
 
     proj = Project(other)
     for ck in (_run_dir(proj) / "checkpoints").glob("step-*"):
