@@ -54,6 +54,11 @@ class DamagedFileError(CheckpointError):
         self.path = path
         self.checkpoint = checkpoint
 
+    def __reduce__(self):
+        # Pickled with its path and checkpoint: torch.distributed.checkpoint sends a rank's read error to the
+        # other ranks, which rebuild it (the default reduce would call __init__ with the message alone).
+        return (type(self), (str(self), self.path, self.checkpoint))
+
 
 class StartLimitError(GwenlakeError):
     """This start of a SLURM job is past ``launcher.max_starts`` (``GWENLAKE_MAX_STARTS`` against
@@ -63,6 +68,14 @@ class StartLimitError(GwenlakeError):
 
 class NonFiniteError(GwenlakeError):
     """A loss became NaN or infinite (``job.on_nonfinite=stop``, the default): the run ends with exit 1."""
+
+
+class StateMismatchError(CheckpointError, ConfigError):
+    """A saved training state does not fit the objects it is loaded into (a tensor's shape differs, or the
+    layout cannot be converted): the message names the tensor and both shapes. A usage error (exit 2): the
+    model was built differently from the one that was saved; nothing is deleted."""
+
+    exit_code = EXIT_USAGE
 
 
 class CheckpointFormatError(ConfigError):

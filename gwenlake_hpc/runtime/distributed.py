@@ -82,6 +82,17 @@ class Dist:
         dist.broadcast_object_list(box, src=0, group=self._control)
         return box[0]
 
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` (picklable), by rank, on rank 0; None on the other ranks (a collective over the
+        control group: all ranks must call it)."""
+        if not self.enabled:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, out, dst=0, group=self._control)
+        return out
+
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""
         if self.enabled:

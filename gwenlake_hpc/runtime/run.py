@@ -78,7 +78,15 @@ class Run:
     contiguous shard of every epoch (``len(batches) // world_size`` batches a rank, the remainder dropped),
     a stop request seen by any rank ends the loop of all ranks after the same step, rank 0 alone writes
     the checkpoint files, logs and commits, and every rank's RNG and data position are saved in the one
-    atomic checkpoint, so a resumed run continues exactly where it stopped.
+    atomic checkpoint, so a resumed run continues exactly where it stopped. A sharded state (FSDP2, DTensor)
+    is the exception to "rank 0 alone writes": every rank writes its shards into that checkpoint
+    (:mod:`gwenlake_hpc.stores.checkpoints.sharded`).
+
+    Another number of ranks than the checkpoint's: under ``job.steps`` the run resumes (a sharded state is
+    resharded by ``load_state``); the RNG states of the checkpoint's ranks are not used, every rank is
+    re-seeded with ``seed + rank`` (``seed_everything``) and a warning says the run is not identical to an
+    uninterrupted one; the data position is this rank's step in the new shards. Under ``job.epochs`` it is
+    refused (:meth:`steps` raises ConfigError): an epoch's length depends on the number of ranks.
     """
 
     def __init__(self, *, run_dir: Path, run_key: str, steps: int | None, epochs: int | None, eval_every: int,

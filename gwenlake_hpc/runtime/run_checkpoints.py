@@ -63,7 +63,8 @@ class CheckpointWriter:
         On ranks other than 0 of a multi-task run the path is in a scratch folder of that rank that is
         discarded (``save_state`` writes nothing there): rank 0's files are the checkpoint (the model and
         optimizer state are the same on every rank); each rank's own RNG and data position are saved in it
-        by the Run.
+        by the Run. A sharded state (FSDP2, DTensor) is the exception: ``save_state`` of it on every rank
+        writes each rank's shards at the same path of rank 0's checkpoint, one DCP folder.
         """
         return self._pending.path(name)
 
@@ -213,7 +214,9 @@ class RunCheckpoints:
 
         Rank 0 waits for its previous background seal, opens the partial directory and tells the others its
         name; every rank writes its own state (RNG, data position) into it, the user's files of ranks other
-        than 0 go to a discarded scratch folder; once all ranks report success, rank 0 seals it (in the
+        than 0 go to a discarded scratch folder, except the shards of a sharded ``save_state`` (FSDP2,
+        DTensor), which every rank writes into rank 0's partial folder and reports (sizes, digests) to rank 0;
+        once all ranks report success, rank 0 records the shards in the manifest, seals it (in the
         background when asynchronous) and tells the others. A failure on any rank aborts the checkpoint on all
         of them; a failed background seal of rank 0 fails every rank at the next checkpoint.
         """
@@ -235,7 +238,7 @@ class RunCheckpoints:
         partial = self.store.root / name
         if pending is None:
             shutil.rmtree(self.scratch, ignore_errors=True)
-            pending = PendingCheckpoint(self.store, step, scratch=self.scratch)
+            pending = PendingCheckpoint(self.store, step, scratch=self.scratch, shared=partial)
         writer = CheckpointWriter(pending)
         try:
             yield writer
@@ -248,6 +251,8 @@ class RunCheckpoints:
         except BaseException as exc:  # still take part in the vote, then re-raise
             error = exc
         failed = dist.any(error is not None)
+        # Each rank's sharded files (written, fsynced and hashed by save_state), for rank 0's manifest.
+        shards = None if failed else dist.gather(pending.shards())
         sealed = None
         if not dist.is_main:
             pending.abort()  # the scratch folder: nothing in it is kept
@@ -257,6 +262,8 @@ class RunCheckpoints:
             else:
                 pending.metrics = {k: float(v) for k, v in writer.metrics.items()}
                 try:
+                    for r, files in enumerate(shards[1:], start=1):
+                        pending.add_shards(files, r)
                     pending.prepare(state())
                     if writer.metrics:
                         metrics.log(writer.metrics, None, None, step)

@@ -224,3 +224,69 @@ def short(data, output, config: Params):
     np.save(output.file("w.npy"), w)
     print(f"short fit: {len(data)} rows, columns {list(data.columns)}, lr {config.lr}", flush=True)
     return {"mse": float(np.mean((x @ w - data["y"].to_numpy()) ** 2))}
+
+
+def _full_state(model, opt):
+    """The full (unsharded) model and optimizer state on every rank (a collective under FSDP2)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+@train(data=Input("t.rows"), output=Output("t.model"), steps=30, eval_every=5)
+def fit_fsdp(data, output, run, config: Params):
+    """The model sharded by FSDP2 (``fully_shard``) over the ranks, AdamW, a sharded ``save_state`` every 5 steps.
+
+    Hooks (besides GWL_TEST_SIGTERM_AT / GWL_TEST_SIGTERM_RANK): GWL_TEST_DUMP=dir makes rank 0 torch.save the full
+    state right after each checkpoint (``saved-<step>.pt``) and right after the resume's load_state
+    (``loaded-<step>-world-<n>.pt``); GWL_TEST_INIT_FROM=file loads a plain save_state file into the sharded model
+    first (dumped as ``init.pt``).
+    """
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1234)  # the same initial weights on every rank and world size
+    model = nn.Sequential(nn.Linear(4, config.hidden), nn.ReLU(), nn.Linear(config.hidden, 1))
+    if run.world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (run.world_size,))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    dump = Path(os.environ["GWL_TEST_DUMP"]) if os.environ.get("GWL_TEST_DUMP") else None
+    if os.environ.get("GWL_TEST_INIT_FROM"):  # a plain save_state file into the sharded model
+        load_state(os.environ["GWL_TEST_INIT_FROM"], model=model)
+        full, _ = _full_state(model, opt)
+        if dump is not None and run.is_main:
+            torch.save(full, dump / "init.pt")
+    if run.resumed:
+        extra = load_state(run.resume_path / "state.safetensors", model=model, optimizer=opt)
+        assert extra["step"] == run.start_step, extra
+        full = _full_state(model, opt)
+        if dump is not None and run.is_main:
+            torch.save(full, dump / f"loaded-{run.start_step}-world-{run.world_size}.pt")
+    sigterm_rank = int(os.environ.get("GWL_TEST_SIGTERM_RANK", run.rank))
+    sigterm_at = int(os.environ.get("GWL_TEST_SIGTERM_AT", "-1"))
+    for step, batch in run.steps(data.batches(config.batch_size)):
+        loss = nn.functional.mse_loss(model(batch["x"]).squeeze(-1), batch["y"])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        run.log({"loss": loss.item()})
+        if step == sigterm_at and run.rank == sigterm_rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if run.at_eval:
+            with run.checkpoint(keep=3) as ck:
+                save_state(ck.path("state.safetensors"), model=model, optimizer=opt, extra={"step": step})
+            if dump is not None:
+                full = _full_state(model, opt)
+                if run.is_main:
+                    torch.save(full, dump / f"saved-{step}.pt")
+    if run.evicted:
+        return None
+    full_model, _ = _full_state(model, opt)
+    save_file({k: v.contiguous() for k, v in full_model.items()}, str(output.file("model.safetensors")))
+    return {"final_loss": loss.item()}

@@ -4,6 +4,8 @@
   rename; find the newest intact one; retention; format versions.
 - :mod:`.state`: ``save_state``/``load_state``, a training state (model, optimizer, scheduler, extras) in one
   safetensors file.
+- :mod:`.sharded`: FSDP2 / DTensor states as one DCP folder written by every rank, verified while read, on any
+  world size (``save_state``/``load_state`` dispatch to it).
 - :mod:`.tensorfile`: the safetensors format written and read in one streamed pass with its digest; host
   snapshots for asynchronous writes.
 - :mod:`.writer`: the background thread that seals asynchronous checkpoints, one at a time.

@@ -29,7 +29,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ...base.errors import CheckpointError
+from ...base.errors import CheckpointError, StateMismatchError
+from .sharded import holds_dtensors, is_dcp_folder, load_sharded, save_sharded
 from .store import check_format, manifest_entry, open_checkpoint_of, writer_version
 from .tensorfile import read_tensors, write_tensors
 
@@ -60,8 +61,12 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
 
     Tensors are copied to the CPU one at a time; dtypes and shapes are kept exactly.
 
+    Sharded states: when the model's or the optimizer's state dict holds DTensors (FSDP2, tensor parallelism),
+    ``path`` becomes a folder in torch.distributed.checkpoint's format written by every rank (a collective:
+    call it on every rank), synchronously even in an asynchronous checkpoint; see :mod:`.sharded`.
+
     Returns:
-        The path written.
+        The path written (for a sharded state on a rank other than 0, in the checkpoint's shared directory).
 
     Raises:
         CheckpointError: a value is neither a tensor nor JSON-able (the message names its path).
@@ -77,6 +82,12 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
         parts["extra"] = dict(extra)
 
     tensors: dict[str, torch.Tensor] = {}
+    if holds_dtensors(parts.get("model")) or holds_dtensors(parts.get("optimizer")):
+        # FSDP2 / DTensor: every rank writes its shards into a DCP folder at ``path`` (see .sharded).
+        others = {k: v for k, v in parts.items() if k not in ("model", "optimizer")}
+        doc = {"format": 1, "writer": writer_version(), "structure": _encode(others, "", tensors)}
+        return save_sharded(Path(path), model=model, optimizer=optimizer, doc=doc, tensors=tensors,
+                            pending=open_checkpoint_of(path))
     views: dict[str, list] = {}
     dropped: dict[str, str] = {}
     if list(parts) == ["model"] or (list(parts) == ["model", "extra"] and not parts["extra"]):
@@ -107,8 +118,10 @@ def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
     """Restore what :func:`save_state` wrote into the given objects.
 
     Args:
-        path: a file written by :func:`save_state`.
-        model: restored in place with its ``load_state_dict`` when given.
+        path: a file written by :func:`save_state`, or the DCP folder of a sharded state (read on any number of
+            ranks, into a sharded or a plain model; a collective where a process group exists).
+        model: restored in place with its ``load_state_dict`` when given (a sharded model from a plain file: each
+            rank keeps its shard of each tensor).
         optimizer: restored the same way (it moves its state to its parameters' device itself).
         scheduler: restored the same way.
         strict: passed to ``model.load_state_dict``.
@@ -122,12 +135,17 @@ def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
 
     Raises:
         DamagedFileError (a CheckpointError): a checkpoint file does not match its manifest; the job sets
-            that checkpoint aside and resumes from the previous intact one.
+            that checkpoint aside and resumes from the previous intact one. For a sharded state, raised on
+            every rank when any rank finds one of the files it reads damaged.
+        StateMismatchError (exit 2): a tensor's shape differs from the model's (named, with both shapes), or a
+            plain optimizer state given to a sharded optimizer.
         CheckpointFormatError: the file or its manifest was written by a newer gwenlake_hpc (exit 2).
         CheckpointError: the file is missing, not a safetensors file, not written by save_state, or lacks a
             part that was asked for (e.g. ``optimizer=`` given but no optimizer saved).
     """
     path = Path(path)
+    if is_dcp_folder(path):
+        return _load_sharded(path, model, optimizer, scheduler, strict, map_location)
     if not path.is_file():
         raise CheckpointError(f"state file {path} does not exist")
     entry = manifest_entry(path)
@@ -150,10 +168,46 @@ def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
             continue
         if key not in parts:
             raise CheckpointError(f"{path} holds no {key} state (it has: {', '.join(sorted(parts)) or 'nothing'})")
-        if key == "model":
+        if key == "model" and holds_dtensors(obj.state_dict()):
+            _load_full_into_sharded(path, obj, parts[key], strict)
+        elif key == "model":
             obj.load_state_dict(parts[key], strict=strict)
+        elif key == "optimizer" and holds_dtensors(obj.state_dict()):
+            raise StateMismatchError(f"{path} holds a plain optimizer state and the optimizer's is sharded "
+                                     "(FSDP2 / DTensor): load the model from it, or resume from a sharded state")
         else:
             obj.load_state_dict(parts[key])
+    return parts.get("extra", {})
+
+
+def _load_full_into_sharded(path: Path, model: torch.nn.Module, full: Mapping[str, torch.Tensor],
+                            strict: bool) -> None:
+    """Load a plain (full) model state into a sharded model: each rank keeps its shard of each tensor.
+
+    Raises:
+        StateMismatchError: a tensor's shape differs (named, with both shapes).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    for name, t in model.state_dict().items():
+        if name in full and tuple(full[name].shape) != tuple(t.shape):
+            raise StateMismatchError(f"tensor {name!r} has shape {list(t.shape)} in the model and "
+                                     f"{list(full[name].shape)} in {path}: build the model as it was saved")
+    set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def _load_sharded(path: Path, model: Any, optimizer: Any, scheduler: Any, strict: bool,
+                  map_location: str | torch.device) -> dict[str, Any]:
+    """``load_state`` of a DCP folder (see :func:`.sharded.load_sharded`); returns the extra values."""
+    doc, tensors = load_sharded(path, model=model, optimizer=optimizer, strict=strict)
+    check_format(doc.get("format"), 1, f"sharded state {path}", doc.get("writer"))
+    if str(map_location) != "cpu":
+        tensors = {k: v.to(map_location) for k, v in tensors.items()}
+    parts = _decode(doc.get("structure", {"__dict__": []}), tensors)
+    if scheduler is not None:
+        if "scheduler" not in parts:
+            raise CheckpointError(f"{path} holds no scheduler state")
+        scheduler.load_state_dict(parts["scheduler"])
     return parts.get("extra", {})
 
 

@@ -176,17 +176,22 @@ class PendingCheckpoint:
         store: the run's store.
         step: steps completed.
         scratch: a folder of a rank other than 0 of a multi-task run: files go there and are never sealed.
+        shared: with ``scratch``, rank 0's partial directory of the same checkpoint: a sharded ``save_state``
+            of this rank writes its shards there (:meth:`sharded_target`), and rank 0 seals them.
         buffers: a :class:`BufferPool` to make it asynchronous: ``save_state`` into it only takes a snapshot,
             and :meth:`seal` writes the snapshots.
     """
 
     def __init__(self, store: "CheckpointStore", step: int, scratch: Path | None = None,
-                 buffers: BufferPool | None = None):
+                 buffers: BufferPool | None = None, shared: Path | None = None):
         self.store = store
         self.step = step
         self.metrics: dict[str, float] = {}
         #: rel path -> manifest entry of files hashed while written (save_state)
         self._recorded: dict[str, dict[str, Any]] = {}
+        #: rel path -> manifest entry of the sharded files this rank wrote (reported to rank 0)
+        self._shards: dict[str, dict[str, Any]] = {}
+        self._shared = Path(shared) if shared is not None else None
         self._snapshots: list[tuple[Path, Snapshot]] = []
         self._buffers = buffers
         self._registered: Path | None = None
@@ -256,6 +261,47 @@ class PendingCheckpoint:
         size, digest = write_tensors(path, tensors, metadata)
         self._recorded[rel] = {"size": size, "digest": digest, "verify": "on_load"}
         return Path(path)
+
+    def sharded_target(self, path: Path) -> Path:
+        """Where this rank writes its shards of the sharded state ``path`` (a path inside :attr:`dir`): ``path``
+        itself on rank 0, the same place in rank 0's partial directory on the other ranks.
+
+        Raises:
+            CheckpointError: a rank other than 0 of a checkpoint opened without rank 0's directory.
+        """
+        if not self._discard:
+            return Path(path)
+        if self._shared is None:
+            raise CheckpointError(f"{path}: this rank's checkpoint has no shared directory to write shards into")
+        return self._shared / Path(path).absolute().relative_to(self.dir.absolute())
+
+    def record_shard(self, path: Path, size: int, digest: str) -> None:
+        """Record a file of a sharded state this rank wrote, fsynced and hashed (``path`` inside the checkpoint's
+        real directory): in the manifest it is ``verify: on_load``; rank 0 learns those of the other ranks by
+        :meth:`add_shards`."""
+        root = (self._shared if self._discard else self.dir).absolute()
+        rel = Path(path).absolute().relative_to(root).as_posix()
+        entry = {"size": int(size), "digest": digest, "verify": "on_load"}
+        self._shards[rel] = entry
+        if not self._discard:
+            self._recorded[rel] = entry
+
+    def shards(self) -> dict[str, dict[str, Any]]:
+        """This rank's sharded files: relative path -> manifest entry (size, digest, ``verify``)."""
+        return dict(self._shards)
+
+    def add_shards(self, shards: Mapping[str, Mapping[str, Any]], rank: int) -> None:
+        """Rank 0: record the sharded files rank ``rank`` reported (see :meth:`shards`) in this manifest.
+
+        Raises:
+            CheckpointError: a reported file is not in this checkpoint's directory or has another size.
+        """
+        for rel, entry in shards.items():
+            p = self.dir / rel
+            if not p.is_file() or p.stat().st_size != entry["size"]:
+                raise CheckpointError(f"rank {rank} reported {rel} ({entry['size']} bytes) in the checkpoint of "
+                                      f"step {self.step}, but {p} is not there with that size")
+            self._recorded[rel] = dict(entry)
 
     def _unregister(self) -> None:
         self._closed = True

@@ -1,0 +1,83 @@
+"""Sharded states (DCP folders) in one process without a process group: write into a checkpoint, seal, load into a
+plain model and optimizer, verified against the manifest (the multi-rank runs are in tests/integration/test_sharded.py).
+"""
+
+import json
+
+import pytest
+import torch
+
+from gwenlake_hpc import load_state
+from gwenlake_hpc.base.errors import DamagedFileError, StateMismatchError
+from gwenlake_hpc.stores.checkpoints import MANIFEST, CheckpointStore
+from gwenlake_hpc.stores.checkpoints.sharded import is_dcp_folder, save_sharded
+from gwenlake_hpc.stores.checkpoints.state import _encode
+
+
+def _trained(seed=0, hidden=16):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        model(torch.randn(5, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _sealed_dcp_checkpoint(tmp_path, model, opt, extra):
+    store = CheckpointStore(tmp_path / "checkpoints", "key")
+    pending = store.begin(10)
+    tensors = {}
+    doc = {"format": 1, "structure": _encode({"extra": extra}, "", tensors)}
+    path = save_sharded(pending.dir / "state.safetensors", model=model, optimizer=opt, doc=doc, tensors=tensors,
+                        pending=pending)
+    assert is_dcp_folder(path)
+    return pending.commit({"step": 10}), store
+
+
+def test_dcp_folder_round_trip_into_a_plain_model_without_a_process_group(tmp_path):
+    model, opt = _trained()
+    extra = {"epoch": 3, "blob": torch.arange(6.0)}
+    ck, store = _sealed_dcp_checkpoint(tmp_path, model, opt, extra)
+    files = json.loads((ck.path / MANIFEST).read_text())["files"]
+    shards = {k: v for k, v in files.items() if k.startswith("state.safetensors/")}
+    assert set(shards) == {"state.safetensors/.metadata", "state.safetensors/__0_0.distcp"}
+    assert all(v["verify"] == "on_load" and len(v["digest"]) == 32 and v["size"] > 0 for v in shards.values())
+    assert store.latest().path == ck.path
+
+    fresh, fresh_opt = _trained(seed=5)
+    got = load_state(ck.path / "state.safetensors", model=fresh, optimizer=fresh_opt)
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    want, have = opt.state_dict(), fresh_opt.state_dict()
+    for i, s in want["state"].items():
+        for name, t in s.items():
+            assert torch.equal(have["state"][i][name], t), (i, name)
+    assert got["epoch"] == 3 and torch.equal(got["blob"], extra["blob"])
+
+
+def test_a_flipped_byte_in_a_shard_is_a_damaged_file_and_nothing_is_loaded(tmp_path):
+    model, opt = _trained()
+    ck, store = _sealed_dcp_checkpoint(tmp_path, model, opt, {})
+    shard = ck.path / "state.safetensors" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    assert store.latest().path == ck.path  # same size: only the load hashes it
+    fresh, fresh_opt = _trained(seed=5)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(DamagedFileError) as info:
+        load_state(ck.path / "state.safetensors", model=fresh, optimizer=fresh_opt)
+    assert info.value.checkpoint == ck.path and info.value.path == shard
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_a_shape_that_differs_names_the_tensor_and_both_shapes(tmp_path):
+    model, opt = _trained()
+    ck, _ = _sealed_dcp_checkpoint(tmp_path, model, opt, {})
+    other, _ = _trained(hidden=12)
+    with pytest.raises(StateMismatchError, match=r"'model\.0\.weight'.*\[12, 8\].*\[16, 8\]") as info:
+        load_state(ck.path / "state.safetensors", model=other)
+    assert info.value.exit_code == 2
+    assert ck.path.is_dir()  # nothing deleted
