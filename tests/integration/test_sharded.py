@@ -78,7 +78,7 @@ def test_sigterm_then_rerun_is_bit_identical_and_the_manifest_lists_every_shard(
         assert (ck / rel).stat().st_size == entry["size"], rel
     assert "gwenlake-ranks/rank-00001.json" in files
 
-    second = launch(project, *FSDP, timeout=600)
+    second = launch(project, *FSDP, env={"GWL_TEST_DUMP": str(dump)}, timeout=600)
     assert [r[0] for r in second] == [0, 0], _text(second)
     assert all("resuming from step 13" in so + se for _, so, se in second)
     reference = model_of(project, version_in(ref[0][1]))
@@ -86,6 +86,22 @@ def test_sigterm_then_rerun_is_bit_identical_and_the_manifest_lists_every_shard(
     assert resumed.keys() == reference.keys()
     for k in reference:
         assert torch.equal(resumed[k], reference[k]), k
+    # The version is one full safetensors file (save_state of the sharded model, gathered tensor by tensor):
+    # the full state of the last step, element for element, opened by a plain model's load_model and load_state.
+    final, _ = torch.load(dump / "saved-30.pt", weights_only=False)
+    assert resumed.keys() == final.keys()
+    for k in final:
+        assert torch.equal(resumed[k], final[k]), k
+    from safetensors.torch import load_model
+
+    from gwenlake_hpc import load_state
+
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    file = project.root / "m.safetensors"  # model_of wrote the version's file there
+    load_model(plain, str(file))
+    assert torch.equal(plain[0].weight.detach(), final["0.weight"])
+    load_state(file, model=plain)
+    assert torch.equal(plain[2].bias.detach(), final["2.bias"])
 
 
 @pytest.mark.parametrize("world", [1, 4])

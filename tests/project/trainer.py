@@ -242,8 +242,6 @@ def fit_fsdp(data, output, run, config: Params):
     (``loaded-<step>-world-<n>.pt``); GWL_TEST_INIT_FROM=file loads a plain save_state file into the sharded model
     first (dumped as ``init.pt``).
     """
-    from safetensors.torch import save_file
-
     torch.manual_seed(1234)  # the same initial weights on every rank and world size
     model = nn.Sequential(nn.Linear(4, config.hidden), nn.ReLU(), nn.Linear(config.hidden, 1))
     if run.world_size > 1:
@@ -287,6 +285,5 @@ def fit_fsdp(data, output, run, config: Params):
                     torch.save(full, dump / f"saved-{step}.pt")
     if run.evicted:
         return None
-    full_model, _ = _full_state(model, opt)
-    save_file({k: v.contiguous() for k, v in full_model.items()}, str(output.file("model.safetensors")))
+    save_state(output.file("model.safetensors"), model=model)  # one full file, written by rank 0
     return {"final_loss": loss.item()}

@@ -4,6 +4,7 @@
   rename; find the newest intact one; retention; format versions.
 - :mod:`.state`: ``save_state``/``load_state``, a training state (model, optimizer, scheduler, extras) in one
   safetensors file.
+- :mod:`.statedoc`: the metadata document of a ``save_state`` file (its key, format, dropped names).
 - :mod:`.sharded`: FSDP2 / DTensor states as one DCP folder written by every rank, verified while read, on any
   world size (``save_state``/``load_state`` dispatch to it).
 - :mod:`.tensorfile`: the safetensors format written and read in one streamed pass with its digest; host

@@ -21,7 +21,6 @@ the same durable write as every checkpoint file: temporary name, fsync, rename, 
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from pathlib import Path
@@ -31,11 +30,12 @@ import torch
 
 from ...base.errors import CheckpointError
 from .digest import DEFAULT_ALGORITHM
+from .statedoc import META_KEY, state_metadata
 from .store import writer_version
 from .tensorfile import Layout, layout, write_layout
 
-#: The metadata key of save_state's document (state.py reads it under this name; tests check the two agree).
-STATE_METADATA_KEY = "gwenlake_state"
+#: The metadata key of save_state's document (see :mod:`.statedoc`).
+STATE_METADATA_KEY = META_KEY
 
 
 def write_full_model(path: str | os.PathLike, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
@@ -206,9 +206,7 @@ def _state_metadata(keys: list[str], aliases: Mapping[str, str]) -> dict[str, st
     """The metadata ``save_state(path, model=m)`` writes for a model of these keys without partial views."""
     structure = {"__dict__": [["model", {"__dict__": [[k, {"__tensor__": k}] for k in keys]}]]}
     doc = {"format": 1, "writer": writer_version(), "structure": structure, "aliases": dict(aliases)}
-    # save_model's own record of what it dropped (name -> kept name), after ours, as save_state writes it.
-    return {STATE_METADATA_KEY: json.dumps(doc),
-            **{k: v for k, v in sorted(aliases.items()) if k != STATE_METADATA_KEY}}
+    return state_metadata(doc, aliases)
 
 
 def _exact_aliases(state: Mapping[str, torch.Tensor]) -> dict[str, str]:

@@ -31,13 +31,9 @@ import torch
 
 from ...base.errors import CheckpointError, StateMismatchError
 from .sharded import holds_dtensors, is_dcp_folder, load_sharded, save_sharded
+from .statedoc import FORMAT, META_KEY, state_metadata
 from .store import check_format, manifest_entry, open_checkpoint_of, writer_version
 from .tensorfile import read_tensors, write_tensors
-
-_META_KEY = "gwenlake_state"
-#: Format of the metadata document; a reader refuses a larger one (CheckpointFormatError, exit 2). A file is
-#: written with the lowest format that reads it: 2 only when it records partial views (``views``).
-_FORMAT = 2
 
 
 def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
@@ -62,8 +58,11 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
     Tensors are copied to the CPU one at a time; dtypes and shapes are kept exactly.
 
     Sharded states: when the model's or the optimizer's state dict holds DTensors (FSDP2, tensor parallelism),
-    ``path`` becomes a folder in torch.distributed.checkpoint's format written by every rank (a collective:
-    call it on every rank), synchronously even in an asynchronous checkpoint; see :mod:`.sharded`.
+    inside ``run.checkpoint()`` ``path`` becomes a folder in torch.distributed.checkpoint's format written by
+    every rank (a collective: call it on every rank), synchronously even in an asynchronous checkpoint; see
+    :mod:`.sharded`. A sharded model alone outside a checkpoint (``save_state(output.file("model.safetensors"),
+    model=m)`` at the end) is written as one full safetensors file by rank 0, tensor by tensor, never the
+    whole model in one rank's memory (:func:`.consolidate.write_full_model`; every rank calls it).
 
     Returns:
         The path written (for a sharded state on a rank other than 0, in the checkpoint's shared directory).
@@ -83,6 +82,12 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
 
     tensors: dict[str, torch.Tensor] = {}
     if holds_dtensors(parts.get("model")) or holds_dtensors(parts.get("optimizer")):
+        if list(parts) == ["model"] and open_checkpoint_of(path) is None:
+            # A sharded model's file outside a checkpoint (the version's ``output.file``): one full safetensors
+            # file, gathered tensor by tensor and written by rank 0, that any safetensors reader opens.
+            from .consolidate import write_full_model
+
+            return write_full_model(path, model)
         # FSDP2 / DTensor: every rank writes its shards into a DCP folder at ``path`` (see .sharded).
         others = {k: v for k, v in parts.items() if k not in ("model", "optimizer")}
         doc = {"format": 1, "writer": writer_version(), "structure": _encode(others, "", tensors)}
@@ -102,7 +107,7 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
     if views:
         doc["views"] = views
     # save_model's own record of what it dropped (name -> kept name), after ours: it never replaces it either.
-    meta = {_META_KEY: json.dumps(doc), **{k: v for k, v in sorted(dropped.items()) if k != _META_KEY}}
+    meta = state_metadata(doc, dropped)
 
     path = Path(path)
     pending = open_checkpoint_of(path)
@@ -153,10 +158,10 @@ def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
     tensors, meta = read_tensors(path, expect=expect, checkpoint=entry[0] if entry else None)
     if str(map_location) != "cpu":
         tensors = {k: v.to(map_location) for k, v in tensors.items()}
-    if _META_KEY not in meta:
-        raise CheckpointError(f"{path} was not written by gwenlake_hpc.save_state (no '{_META_KEY}' metadata)")
-    doc = json.loads(meta[_META_KEY])
-    check_format(doc.get("format"), _FORMAT, f"state file {path}", doc.get("writer"))
+    if META_KEY not in meta:
+        raise CheckpointError(f"{path} was not written by gwenlake_hpc.save_state (no '{META_KEY}' metadata)")
+    doc = json.loads(meta[META_KEY])
+    check_format(doc.get("format"), FORMAT, f"state file {path}", doc.get("writer"))
     for name, target in doc.get("aliases", {}).items():
         tensors[name] = tensors[target]
     for name, (target, offset, shape, stride) in doc.get("views", {}).items():
