@@ -62,6 +62,7 @@ def check_group_choices(overrides: Any, root: Path) -> None:
         ConfigError: naming the override, or the file (and line) and the key, and the fix.
     """
     chosen: dict[str, str] = {}
+    given: dict[str, str] = {}  # chosen on the command line (config.yaml's own choices are Hydra's to report)
     for ov in overrides:
         key, eq, name = str(ov).lstrip("+").partition("=")
         if not eq or key not in GROUP_SCHEMAS:
@@ -69,17 +70,38 @@ def check_group_choices(overrides: Any, root: Path) -> None:
         if name.strip() in ("null", ""):
             raise ConfigError(f"{ov}: {key} takes the name of a file conf/{key}/NAME.yaml"
                               + ("; leave cluster= out to run without a cluster" if key == "cluster" else ""))
-        chosen[key] = name
+        chosen[key] = given[key] = name
     primary = _read_config_file(root / "config.yaml", "config")
     for entry in (primary.get("defaults") or []) if isinstance(primary, dict) else []:
         if isinstance(entry, dict) and len(entry) == 1:  # `- launcher: local`: the choice when none is given
             (group, name), = entry.items()
             if group in GROUP_SCHEMAS and isinstance(name, str):
                 chosen.setdefault(group, name)
+    for key, names in given.items():
+        for name in names.split(","):
+            _check_group_exists(root, key, name.strip())
     seen: set[Path] = set()
     for key, names in chosen.items():
         for name in names.split(","):  # a sweep over files: launcher=a,b
             _check_group_file(root, key, name.strip(), seen)
+
+
+#: The schemas Hydra's ConfigStore holds in each group (:func:`gwenlake_hpc.job.config.register`).
+_STORED = {"launcher": ("local_schema", "slurm_schema"), "cluster": ("cluster_schema",), "job": ()}
+
+
+def _check_group_exists(root: Path, key: str, name: str) -> None:
+    """Refuse ``key=name`` when there is no ``root/key/name.yaml`` (nor a stored schema of that name): Hydra's
+    message lists its search path, not the files there are."""
+    if not name or (root / key / f"{name}.yaml").is_file() or name in _STORED.get(key, ()):
+        return
+    import difflib
+
+    there = sorted(p.stem for p in (root / key).glob("*.yaml")) if (root / key).is_dir() else []
+    close = difflib.get_close_matches(name, there, n=1)
+    hint = f" (did you mean {key}={close[0]}?)" if close else ""
+    raise ConfigError(f"{key}={name}: there is no {root / key / (name + '.yaml')}{hint}; the {key} files there: "
+                      f"{', '.join(there) or 'none'} (write conf/{key}/{name}.yaml to add one)")
 
 
 def _check_group_file(root: Path, key: str, name: str, seen: set) -> None:
@@ -239,7 +261,10 @@ def _check_override(key: str, parts: list[str], schema: type, prefix: str, value
 
 def _check_value(key: str, value: Any, kind: Any, optional: bool) -> None:
     """Refuse ``value`` that OmegaConf would not convert to ``kind`` (as Hydra would, with its internals)."""
-    if kind not in _KINDS or (value is None and optional):
+    import enum
+
+    choices = isinstance(kind, type) and issubclass(kind, enum.Enum)
+    if (kind not in _KINDS and not choices) or (value is None and optional):
         return
     from omegaconf import OmegaConf, ValidationError
 
@@ -247,7 +272,8 @@ def _check_value(key: str, value: Any, kind: Any, optional: bool) -> None:
         OmegaConf.structured(_holder(kind, optional)).v = value
     except ValidationError:
         null = " or null" if optional else ""
-        raise ConfigError(f"{key}={value!r}: give {_KINDS[kind]}{null}") from None
+        wanted = f"one of {', '.join(m.name for m in kind)}" if choices else _KINDS[kind]
+        raise ConfigError(f"{key}={value!r}: give {wanted}{null}") from None
 
 
 @functools.lru_cache(maxsize=None)

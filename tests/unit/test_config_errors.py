@@ -138,6 +138,12 @@ def trained(tmp_path_factory):
                                                           "launcher.partition?)"),
     (["+job=t", "launcher=slurm", "launcher.container.imag=x"], "did you mean launcher.container.image?"),
     (["+job=t", "tracking.flush_interval_s=fast"], "tracking.flush_interval_s='fast': give a number"),
+    (["+job=t", "job.resume=bogus"], "job.resume='bogus': give one of auto, never"),
+    (["+job=t", "job.on_nonfinite=ignore"], "job.on_nonfinite='ignore': give one of stop, warn"),
+    (["+job=tt"], "job=tt: there is no"),  # a missing file: the files there, the closest one
+    (["+job=t", "launcher=slrum"], "launcher=slrum: there is no"),
+    (["+job=t", "launcher=slrum"], "(did you mean launcher=slurm?)"),
+    (["+job=t", "cluster=nonexistent"], "cluster=nonexistent: there is no"),
     # the adversarial pass's input: sbatch refused it after the plan (exit 1)
     (["+job=t", "launcher=slurm", "launcher.gres=gpu:a:b"],
      "launcher.gres='gpu:a:b': give generic resources as NAME[:TYPE][:COUNT]"),
