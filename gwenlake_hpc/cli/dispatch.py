@@ -365,7 +365,7 @@ def discover(root: Path, skipped: dict[str, str] | None = None) -> dict[str, "ob
                 continue
             if "gwenlake_hpc" not in text or "@train" not in text:
                 continue
-            names = re.findall(r"^@train\([\s\S]*?\)\s*\ndef\s+(\w+)", text, re.M)
+            names = _decorated_functions(text)
             module = _dotted_module(path, root)
             rel = os.path.relpath(path, Path.cwd())
             for name in names:
@@ -381,6 +381,25 @@ def discover(root: Path, skipped: dict[str, str] | None = None) -> dict[str, "ob
                 if isinstance(tf, TrainFunction):
                     found[target] = tf
     return found
+
+
+def _decorated_functions(text: str) -> list[str]:
+    """Names of the module-level functions of ``text`` decorated with ``@train(...)`` (or ``@gwenlake_hpc.train``),
+    by its syntax tree: a ``@train`` inside a string (a template) is not one. A file that does not parse is
+    matched by its text, so that importing it reports the error."""
+    import ast
+
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return re.findall(r"^@train\([\s\S]*?\)\s*\ndef\s+(\w+)", text, re.M)
+
+    def is_train(d: ast.expr) -> bool:
+        d = d.func if isinstance(d, ast.Call) else d
+        return (isinstance(d, ast.Name) and d.id == "train") or (isinstance(d, ast.Attribute) and d.attr == "train")
+
+    return [n.name for n in tree.body
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(map(is_train, n.decorator_list))]
 
 
 def _dotted_module(path: Path, root: Path) -> str | None:

@@ -30,7 +30,9 @@ def print_status(runs_root: Path, include_old: bool = False) -> int:
     if not include_old:
         records = [r for r in records if time.time() - r.get("submitted", 0) < 86400]
     if not records:
-        print(f"no jobs submitted from {runs_root.resolve()} (try --all)")
+        older = "" if include_old else " in the last 24 hours (--all shows older ones)"
+        print(f"no jobs submitted to SLURM from {runs_root.resolve()}{older}; local runs are not jobs: "
+              "`checkpoints list` and MLflow show them")
         return 0
     print(f"{'JOB':>10}  {'STATE':<12} {'RESTARTS':>8} {'STEP':>8}  MLFLOW RUN                        RUN")
     for r in records:

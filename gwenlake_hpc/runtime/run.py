@@ -424,9 +424,10 @@ class Run:
             keep: how many complete checkpoints to keep (None: all).
             sync: True writes and seals before the block returns; None uses the Run's default.
 
-        Raises (when the block is entered):
-            ConfigError: ``keep`` < 1, a nested block, a second block at the same step, or a bad file name.
-            CheckpointError: the previous background write failed (path and errno in the message).
+        Raises:
+            ConfigError (when the block is entered): ``keep`` < 1, a nested block, a second block at the same step, or a bad file name.
+            CheckpointError (when the block is entered): the previous background write failed (path and errno in
+                the message).
         """
         asynchronous = self.checkpoint_async if sync is None else not sync
         return self._checkpoints.checkpoint(self.step, keep, asynchronous, self.state_dict, self._metrics,

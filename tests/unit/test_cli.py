@@ -25,3 +25,15 @@ def test_subcommands_are_not_overrides(project):
     assert proc.returncode == 2 and "tracking" in proc.stderr
     proc = project.run("tracking", "sync", str(project.root / "trainer.py"))  # a file
     assert proc.returncode == 2 and "not the tracking folder of a run" in proc.stderr, proc.stderr
+
+
+def test_list_finds_decorated_functions_by_syntax_not_by_text(tmp_path, monkeypatch):
+    """`gwenlake-train --list` warned "skipping benchmarks/bench_startup.py:fit" for a @train inside a string
+    template; a function decorated as gwenlake_hpc.train(...) is found, one in a string is not."""
+    from gwenlake_hpc.cli.dispatch import _decorated_functions
+
+    text = ('import gwenlake_hpc\nfrom gwenlake_hpc import train\nTEMPLATE = """\n@train(steps=3)\ndef fit(run):\n'
+            '    pass\n"""\n\n@train(steps=5)\ndef real(run):\n    pass\n\n@gwenlake_hpc.train()\ndef other(run):\n'
+            '    pass\n\ndef plain():\n    pass\n')
+    assert _decorated_functions(text) == ["real", "other"]
+    assert _decorated_functions("@train(steps=1)\ndef broken(run:\n") == ["broken"]  # reported when imported
