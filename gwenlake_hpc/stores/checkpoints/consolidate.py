@@ -97,14 +97,30 @@ def write_full_model(path: str | os.PathLike, model_or_state_dict: torch.nn.Modu
     order = [(name, kept[name]) for name, _t, begin, end in lay.entries if end > begin]
 
     if rank != rank_writes:
-        for _name, t in order:
-            if _is_dtensor(t):
-                t.full_tensor()  # the writing rank's gather needs this rank's shard; the result is dropped here
-        outcome = _outcome_of(rank_writes, None) if distributed else None
-        if outcome is not None:
-            raise CheckpointError(f"rank {rank_writes} could not write the model file {path}: {outcome}")
-        return path
+        _take_part(order, path, rank_writes, distributed)
+    else:
+        _write_gathered(path, lay, order, rank_writes, distributed, algorithm)
+    return path
 
+
+def _take_part(order: list[tuple[str, torch.Tensor]], path: Path, rank_writes: int, distributed: bool) -> None:
+    """A rank that does not write: join each gather in the file's order, then hear how the writer fared.
+
+    Raises:
+        CheckpointError: the writing rank failed (its error named).
+    """
+    for _name, t in order:
+        if _is_dtensor(t):
+            t.full_tensor()  # the writing rank's gather needs this rank's shard; the result is dropped here
+    outcome = _outcome_of(rank_writes, None) if distributed else None
+    if outcome is not None:
+        raise CheckpointError(f"rank {rank_writes} could not write the model file {path}: {outcome}")
+
+
+def _write_gathered(path: Path, lay: Layout, order: list[tuple[str, torch.Tensor]], rank_writes: int,
+                    distributed: bool, algorithm: str) -> None:
+    """The writing rank: gather each tensor in the file's order and stream it into ``path``; on a failure,
+    join the gathers left (the others wait in them) and tell the other ranks, then raise."""
     done = 0  # entries whose gather every rank has taken part in
 
     def full_tensors() -> Iterator[torch.Tensor]:
@@ -129,7 +145,6 @@ def write_full_model(path: str | os.PathLike, model_or_state_dict: torch.nn.Modu
         raise
     if distributed:
         _outcome_of(rank_writes, None)
-    return path
 
 
 def consolidate_dcp(dcp_dir: str | os.PathLike, path: str | os.PathLike, prefix: str | None = "model", *,
