@@ -142,7 +142,8 @@ def save_sharded(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.O
     with _single_process_quiet():
         dcp.save(state, storage_writer=writer, no_dist=not torch.distributed.is_initialized())
     if pending is not None:
-        names = list(writer.written) + ([METADATA] if _coordinator() else [])
+        # one file a rank holds many write results: each file hashed once (dict keeps their order)
+        names = list(dict.fromkeys(writer.written)) + ([METADATA] if _coordinator() else [])
         for rel in names:
             p = target / rel
             pending.record_shard(p, p.stat().st_size, file_digest(p))
