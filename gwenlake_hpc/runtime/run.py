@@ -125,6 +125,7 @@ class Run:
         self.evicted = False
         # RNG states when the current pass over a plain iterable began (saved in checkpoints, see feed.batch_stream).
         self._epoch_rng: dict[str, Any] | None = None
+        self._feed: Any = None  # the batch stream of steps(); a PlanStream knows the data position
         self._iterated = False
         self._times = StepTimes()
         # Where a rank other than 0 puts its (discarded) checkpoint files; its Output is a sibling folder.
@@ -313,8 +314,10 @@ class Run:
             return None, total
         self._progress = self._metrics.progress = Progress(total, self.start_step, self._progress_mode,
                                                            self._progress_every_s)
-        return batch_stream(batches, per_epoch, self.start_step, rank=self.rank, world_size=self.world_size,
-                            seed=self.seed, on_pass=self._pass_began, resume=resume), total
+        self._feed = batch_stream(batches, per_epoch, self.start_step, rank=self.rank, world_size=self.world_size,
+                                  seed=self.seed, on_pass=self._pass_began, resume=resume,
+                                  position=(self._run_state or {}).get("data"))
+        return self._feed, total
 
     def _stopped_after(self, step: int) -> None:
         """The loop ends after ``step``, the last one of a stop request."""
@@ -325,6 +328,8 @@ class Run:
 
     def _end_loop(self) -> None:
         self.at_eval = self.stopping = False
+        if hasattr(self._feed, "close"):
+            self._feed.close()  # stops a prefetch thread now; the data position stays readable
         if self._progress is not None:
             self._progress.close()
         if self.evicted:
@@ -368,13 +373,21 @@ class Run:
         return self._checkpoints.latest
 
     def state_dict(self) -> dict[str, Any]:
-        """The Run's own state saved in every checkpoint (``rng_epoch_start`` only over a plain iterable)."""
+        """The Run's own state saved in every checkpoint (``rng_epoch_start`` only over a plain iterable).
+
+        ``data``: the data position of gwenlake ``Batches`` (:meth:`~.feed.PlanStream.position`: ``samples``,
+        the global count of samples all ranks have read, and the positions the current epoch has left), the
+        same on every rank; None over other batches, or before :meth:`steps`. ``data_position`` is this rank's
+        view in steps (``next_global_batch`` is the step), kept for readers of older checkpoints.
+        """
+        position = getattr(self._feed, "position", None)
         state = {
             "run_key": self.run_key,
             "step": self.step,
             "epoch": self.epoch,
             "data_position": {"epoch": self.epoch, "next_global_batch": self.step, "rank": self.rank,
                               "world_size": self.world_size},
+            "data": position() if position is not None else None,
             "seed": self.seed,
             "world_size": self.world_size,
             "total_steps": self.total_steps,
