@@ -85,8 +85,17 @@ class Run:
     Another number of ranks than the checkpoint's: under ``job.steps`` the run resumes (a sharded state is
     resharded by ``load_state``); the RNG states of the checkpoint's ranks are not used, every rank is
     re-seeded with ``seed + rank`` (``seed_everything``) and a warning says the run is not identical to an
-    uninterrupted one; the data position is this rank's step in the new shards. Under ``job.epochs`` it is
-    refused (:meth:`steps` raises ConfigError): an epoch's length depends on the number of ranks.
+    uninterrupted one. Under ``job.epochs`` it is refused (:meth:`steps` raises ConfigError): an epoch's length
+    depends on the number of ranks.
+
+    The data position (``Input(...).batches()``) is a global sample count, saved as the ``data`` of every
+    checkpoint (:meth:`state_dict`, :class:`~.feed.PlanStream`): the samples all ranks have read and the
+    positions the current epoch has left. On another number of ranks the new ranks split what the interrupted
+    epoch has left: with the same global batch size (per-rank ``batch_size`` x ``world_size``) no sample is
+    skipped or read twice; with another one the last ``remaining % global_batch_size`` samples of that epoch
+    are skipped (a warning names the counts). ``step`` keeps counting optimizer steps; ``total_steps``
+    (``job.steps``) stays. A checkpoint written before ``data`` existed resumes at this rank's step in the new
+    shards, as before.
     """
 
     def __init__(self, *, run_dir: Path, run_key: str, steps: int | None, epochs: int | None, eval_every: int,
@@ -171,7 +180,8 @@ class Run:
         mine = ck.rank_state(self.rank) if self.rank else state
         if mine is None or state.get("world_size", 1) != self.world_size:
             log.warning("checkpoint %s was written by %s rank(s), this run has %d: rank %d's RNG is re-seeded "
-                        "and the data shards differ, so the resumed run is not identical to an uninterrupted one",
+                        "and the rest of the epoch is split among the new ranks, so the resumed run is not "
+                        "identical to an uninterrupted one",
                         ck.path.name, state.get("world_size", 1), self.world_size, self.rank)
             seed_everything(self.seed + self.rank)
             return {**{k: v for k, v in state.items() if k != "rng_epoch_start"}, "rng": rng_state()}
