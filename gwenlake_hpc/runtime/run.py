@@ -268,6 +268,8 @@ class Run:
                 times.input_s += t_step - t_input
                 yield step, batch
                 times.step_s += time.perf_counter() - max(t_step, times.window_start)
+                if step == self.start_step + 1 and self.checkpoint_async:
+                    checkpoints.reserve_ahead()  # the first checkpoint's host buffers, off the loop
                 if times.logged_step != step:  # else logged at its checkpoint, this step counted there
                     times.steps_timed += 1
                     if self.at_eval:
@@ -454,6 +456,23 @@ class Run:
         asynchronous = self.checkpoint_async if sync is None else not sync
         return self._checkpoints.checkpoint(self.step, keep, asynchronous, self.state_dict, self._metrics,
                                             log_breakdown=self.at_eval and self._iterated)
+
+    def prepare_checkpoint(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None,
+                           extra: Mapping[str, Any] | None = None) -> None:
+        """Say what one ``save_state`` of the checkpoints will hold, so that the host buffer of the first
+        asynchronous checkpoint is allocated ahead, in a background thread, not inside its block.
+
+        Same arguments as ``save_state`` (call it once per state file, before or inside the loop). The size is
+        read from the parts at the end of the loop's first step (an optimizer such as Adam makes its state at
+        its first ``step()``), or at once when that step is done; pinned memory when the training uses CUDA.
+        Without it, a resumed run sizes the buffers by the checkpoint it resumed from, and a fresh run's first
+        checkpoint allocates its buffer inside its block; later checkpoints reuse the buffers (they grow only
+        when the state grows). Nothing happens on ranks other than 0, for a synchronous run or a sharded state
+        (written by DCP, not snapshotted).
+        """
+        parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "extra": extra}
+        if self.checkpoint_async:
+            self._checkpoints.prepare(parts, now=self._iterated and self.step > self.start_step)
 
     def interruptible(self) -> Any:
         """A block in which a stop signal raises :class:`gwenlake_hpc.runtime.signals.StopInterrupt` at once (see
