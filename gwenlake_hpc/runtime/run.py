@@ -85,8 +85,17 @@ class Run:
     Another number of ranks than the checkpoint's: under ``job.steps`` the run resumes (a sharded state is
     resharded by ``load_state``); the RNG states of the checkpoint's ranks are not used, every rank is
     re-seeded with ``seed + rank`` (``seed_everything``) and a warning says the run is not identical to an
-    uninterrupted one; the data position is this rank's step in the new shards. Under ``job.epochs`` it is
-    refused (:meth:`steps` raises ConfigError): an epoch's length depends on the number of ranks.
+    uninterrupted one. Under ``job.epochs`` it is refused (:meth:`steps` raises ConfigError): an epoch's length
+    depends on the number of ranks.
+
+    The data position (``Input(...).batches()``) is a global sample count, saved as the ``data`` of every
+    checkpoint (:meth:`state_dict`, :class:`~.feed.PlanStream`): the samples all ranks have read and the
+    positions the current epoch has left. On another number of ranks the new ranks split what the interrupted
+    epoch has left: with the same global batch size (per-rank ``batch_size`` x ``world_size``) no sample is
+    skipped or read twice; with another one the last ``remaining % global_batch_size`` samples of that epoch
+    are skipped (a warning names the counts). ``step`` keeps counting optimizer steps; ``total_steps``
+    (``job.steps``) stays. A checkpoint written before ``data`` existed resumes at this rank's step in the new
+    shards, as before.
     """
 
     def __init__(self, *, run_dir: Path, run_key: str, steps: int | None, epochs: int | None, eval_every: int,
@@ -125,6 +134,7 @@ class Run:
         self.evicted = False
         # RNG states when the current pass over a plain iterable began (saved in checkpoints, see feed.batch_stream).
         self._epoch_rng: dict[str, Any] | None = None
+        self._feed: Any = None  # the batch stream of steps(); a PlanStream knows the data position
         self._iterated = False
         self._times = StepTimes()
         # Where a rank other than 0 puts its (discarded) checkpoint files; its Output is a sibling folder.
@@ -170,7 +180,8 @@ class Run:
         mine = ck.rank_state(self.rank) if self.rank else state
         if mine is None or state.get("world_size", 1) != self.world_size:
             log.warning("checkpoint %s was written by %s rank(s), this run has %d: rank %d's RNG is re-seeded "
-                        "and the data shards differ, so the resumed run is not identical to an uninterrupted one",
+                        "and the rest of the epoch is split among the new ranks, so the resumed run is not "
+                        "identical to an uninterrupted one",
                         ck.path.name, state.get("world_size", 1), self.world_size, self.rank)
             seed_everything(self.seed + self.rank)
             return {**{k: v for k, v in state.items() if k != "rng_epoch_start"}, "rng": rng_state()}
@@ -257,6 +268,8 @@ class Run:
                 times.input_s += t_step - t_input
                 yield step, batch
                 times.step_s += time.perf_counter() - max(t_step, times.window_start)
+                if step == self.start_step + 1 and self.checkpoint_async:
+                    checkpoints.reserve_ahead()  # the first checkpoint's host buffers, off the loop
                 if times.logged_step != step:  # else logged at its checkpoint, this step counted there
                     times.steps_timed += 1
                     if self.at_eval:
@@ -313,8 +326,10 @@ class Run:
             return None, total
         self._progress = self._metrics.progress = Progress(total, self.start_step, self._progress_mode,
                                                            self._progress_every_s)
-        return batch_stream(batches, per_epoch, self.start_step, rank=self.rank, world_size=self.world_size,
-                            seed=self.seed, on_pass=self._pass_began, resume=resume), total
+        self._feed = batch_stream(batches, per_epoch, self.start_step, rank=self.rank, world_size=self.world_size,
+                                  seed=self.seed, on_pass=self._pass_began, resume=resume,
+                                  position=(self._run_state or {}).get("data"))
+        return self._feed, total
 
     def _stopped_after(self, step: int) -> None:
         """The loop ends after ``step``, the last one of a stop request."""
@@ -325,6 +340,8 @@ class Run:
 
     def _end_loop(self) -> None:
         self.at_eval = self.stopping = False
+        if hasattr(self._feed, "close"):
+            self._feed.close()  # stops a prefetch thread now; the data position stays readable
         if self._progress is not None:
             self._progress.close()
         if self.evicted:
@@ -368,13 +385,21 @@ class Run:
         return self._checkpoints.latest
 
     def state_dict(self) -> dict[str, Any]:
-        """The Run's own state saved in every checkpoint (``rng_epoch_start`` only over a plain iterable)."""
+        """The Run's own state saved in every checkpoint (``rng_epoch_start`` only over a plain iterable).
+
+        ``data``: the data position of gwenlake ``Batches`` (:meth:`~.feed.PlanStream.position`: ``samples``,
+        the global count of samples all ranks have read, and the positions the current epoch has left), the
+        same on every rank; None over other batches, or before :meth:`steps`. ``data_position`` is this rank's
+        view in steps (``next_global_batch`` is the step), kept for readers of older checkpoints.
+        """
+        position = getattr(self._feed, "position", None)
         state = {
             "run_key": self.run_key,
             "step": self.step,
             "epoch": self.epoch,
             "data_position": {"epoch": self.epoch, "next_global_batch": self.step, "rank": self.rank,
                               "world_size": self.world_size},
+            "data": position() if position is not None else None,
             "seed": self.seed,
             "world_size": self.world_size,
             "total_steps": self.total_steps,
@@ -432,6 +457,23 @@ class Run:
         asynchronous = self.checkpoint_async if sync is None else not sync
         return self._checkpoints.checkpoint(self.step, keep, asynchronous, self.state_dict, self._metrics,
                                             log_breakdown=self.at_eval and self._iterated)
+
+    def prepare_checkpoint(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None,
+                           extra: Mapping[str, Any] | None = None) -> None:
+        """Say what one ``save_state`` of the checkpoints will hold, so that the host buffer of the first
+        asynchronous checkpoint is allocated ahead, in a background thread, not inside its block.
+
+        Same arguments as ``save_state`` (call it once per state file, before or inside the loop). The size is
+        read from the parts at the end of the loop's first step (an optimizer such as Adam makes its state at
+        its first ``step()``), or at once when that step is done; pinned memory when the training uses CUDA.
+        Without it, a resumed run sizes the buffers by the checkpoint it resumed from, and a fresh run's first
+        checkpoint allocates its buffer inside its block; later checkpoints reuse the buffers (they grow only
+        when the state grows). Nothing happens on ranks other than 0, for a synchronous run or a sharded state
+        (written by DCP, not snapshotted).
+        """
+        parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "extra": extra}
+        if self.checkpoint_async:
+            self._checkpoints.prepare(parts, now=self._iterated and self.step > self.start_step)
 
     def interruptible(self) -> Any:
         """A block in which a stop signal raises :class:`gwenlake_hpc.runtime.signals.StopInterrupt` at once (see

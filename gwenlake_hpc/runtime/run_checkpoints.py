@@ -7,7 +7,8 @@ default.
 (:mod:`gwenlake_hpc.stores.checkpoints`). It owns:
 
 - the background writer (at most one checkpoint in flight; a failed write fails the run at the next step)
-  and the reused host buffers of asynchronous snapshots;
+  and the reused host buffers of asynchronous snapshots, allocated in the background after the loop's first
+  step when their sizes are known (``run.prepare_checkpoint``, or the checkpoint resumed from);
 - the Run's own state in each checkpoint (step, data position, RNG: ``run.state_dict()``, asked for when the
   block ends);
 - the order "points durable, then seal" (the tracker's ``make_durable``), and the step's time breakdown logged
@@ -26,6 +27,7 @@ import contextlib
 import json
 import logging
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -99,6 +101,45 @@ class RunCheckpoints:
         self.writer = BackgroundWriter()
         self.buffers = BufferPool()
         self._in_block = False
+        self._prepared: list[dict[str, Any]] = []  # parts given to run.prepare_checkpoint
+        self._reserved = False
+
+    def prepare(self, parts: dict[str, Any], now: bool) -> None:
+        """Record the parts of one state file (``run.prepare_checkpoint``); reserve now when ``now`` (the
+        loop's first step is done), else at :meth:`reserve_ahead`."""
+        self._prepared.append(parts)
+        if now:
+            self._reserved = False
+            self.reserve_ahead()
+
+    def reserve_ahead(self) -> None:
+        """Allocate the host buffers of the first asynchronous checkpoint in the background, once (rank 0: the
+        other ranks' plain state files are discarded, never snapshotted).
+
+        Sized by :func:`~gwenlake_hpc.stores.checkpoints.state.state_file_size` of the parts given to
+        ``run.prepare_checkpoint``, else by the ``save_state`` files of the checkpoint this run resumed from;
+        nothing when neither is known or a checkpoint of this process already made its buffers. Pinned memory
+        when the training uses CUDA (``torch.cuda.is_initialized()``), on its current device.
+        """
+        if self._reserved or not self.dist.is_main or self.last_step is not None or "torch" not in sys.modules:
+            return
+        self._reserved = True
+        if self._prepared:
+            from ..stores.checkpoints.state import state_file_size  # torch: only trainings that use it get here
+
+            sizes = [n for n in (state_file_size(**p) for p in self._prepared) if n is not None]
+        elif self.latest is not None:
+            files = self.latest.manifest.get("files", {})
+            sizes = [int(e["size"]) for name, e in sorted(files.items())
+                     if "/" not in name and name.endswith(".safetensors") and e.get("verify") == "on_load"]
+        else:
+            sizes = []
+        if not sizes:
+            return
+        import torch
+
+        pinned = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.buffers.reserve(sizes, pinned, torch.cuda.current_device() if pinned else None)
 
     def wait(self, raise_error: bool = True) -> Checkpoint | None:
         """Block until the checkpoint being written in the background (if any) is sealed; return

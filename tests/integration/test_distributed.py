@@ -104,3 +104,32 @@ def test_epochs_run_refuses_another_number_of_ranks(project):
     assert "model t.model version" not in text
     again = project.run("+job=t", "job.target=trainer.py:fit_epochs", check=0)  # one task again: resumes
     assert "resuming from step 16" in again.stdout + again.stderr
+
+
+def test_resume_on_one_rank_with_the_same_global_batch_reads_every_sample_once(project):
+    """2 ranks x 20 rows, SIGTERMed during step 7 (checkpoint of step 8, in epoch 1), resumed on 1 rank x 40 rows:
+    the 60 steps are 12 epochs of the 200 rows and every epoch reads each row once."""
+    from gwenlake_hpc.data import Catalog
+
+    env = {"GWL_TEST_GLOBAL_BATCH": "40", "GWL_TEST_SEEN": str(project.root / "seen")}
+    first = launch(project, "+job=t", env={**env, "GWL_TEST_SIGTERM_AT": "7"})
+    assert [r[0] for r in first] == [75, 75], first[0][2][-3000:] + first[1][2][-3000:]
+    run_dir = next((project.root / "runs" / "t.model").iterdir())
+    state = json.loads((run_dir / "checkpoints" / "step-000000008" / "gwenlake-run-state.json").read_text())
+    assert state["data"]["samples"] == 8 * 40 and state["data"]["epoch"] == 1
+    assert state["data"]["remaining"] == [[60, 100], [160, 200]]  # 3 batches of 20 read from each rank's shard
+    second = project.run("+job=t", env=env, check=0)
+    assert "resuming from step 8" in second.stdout + second.stderr
+    assert "2 rank(s) of 20 (global batch 40)" in second.stdout + second.stderr
+    row = {float(v): i for i, v in enumerate(Catalog(project.root / "data").open("t.rows").read(["x"])["x"][:, 0])}
+    epochs: dict[int, list[int]] = {}
+    steps = set()
+    for rank in (0, 1):
+        for line in (project.root / f"seen.{rank}").read_text().splitlines():
+            step, epoch, *xs = (float(v) for v in line.split())
+            steps.add(step)
+            epochs.setdefault(int(epoch), []).extend(row[x] for x in xs)
+    assert steps == set(range(1, 61))
+    assert sorted(epochs) == list(range(12))
+    for epoch, rows in epochs.items():
+        assert sorted(rows) == list(range(200)), epoch  # no sample skipped or read twice

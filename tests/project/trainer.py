@@ -17,6 +17,8 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_NAMED=NAME          print last_checkpoint_path() at the start; at the end save a named checkpoint NAME
   GWL_TEST_ROLLOUTS=1         at each evaluation also log an RL rollout (a tool-calling conversation) as a trace
   GWL_TEST_SHORT_WAIT=r:g     the short fit creates file r, then waits for file g
+  GWL_TEST_GLOBAL_BATCH=g     the per-rank batch size is g // world_size (instead of params.batch_size)
+  GWL_TEST_SEEN=prefix        each rank appends "step epoch x0 x0 ..." (column x[:, 0] of its batch) to prefix.<rank>
   GWL_TEST_EXTRA_MB=m[:k]     checkpoints carry an extra float32 tensor of m MiB (from step k on), filled with
                               the step (no RNG drawn, so the training is the same as without it)
 """
@@ -77,7 +79,13 @@ def fit(data, output, run, config: Params):
         print(f"last named checkpoint: {gwenlake_hpc.last_checkpoint_path()}", flush=True)
     tagged = os.environ.get("GWL_TEST_TAGGED") == "1"
     rollouts = os.environ.get("GWL_TEST_ROLLOUTS") == "1"
-    for step, batch in run.steps(data.batches(config.batch_size, columns=columns)):
+    global_batch = os.environ.get("GWL_TEST_GLOBAL_BATCH")
+    batch_size = int(global_batch) // run.world_size if global_batch else config.batch_size
+    seen = os.environ.get("GWL_TEST_SEEN")
+    for step, batch in run.steps(data.batches(batch_size, columns=columns)):
+        if seen:
+            with open(f"{seen}.{run.rank}", "a") as fh:
+                fh.write(" ".join(map(repr, [step, run.epoch, *batch["x"][:, 0].tolist()])) + "\n")
         loss = nn.functional.mse_loss(net(batch["x"]).squeeze(-1), batch["y"])
         if step == nan_at:
             loss = loss * float("nan")

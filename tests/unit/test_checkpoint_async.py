@@ -329,3 +329,73 @@ def test_unknown_digest_algorithm_is_a_format_error(tmp_path):
     manifest["files"] = None  # a hand-edited manifest that is not one: not a checkpoint
     (ck.path / MANIFEST).write_text(json.dumps(manifest))
     assert store.complete() == []
+
+
+# -- host buffers allocated ahead of the first checkpoint, off the loop -----------------------------------------
+def _train_counting_allocations(run, monkeypatch, prepare=False, steps_done=None):
+    """Train ``run`` (Linear + Adam, a checkpoint every 10 steps); returns ([allocations inside each block],
+    [names of the threads that allocated outside the blocks])."""
+    from gwenlake_hpc.stores.checkpoints.tensorfile import HostBuffer
+
+    inside, outside = [], []
+    reserve = HostBuffer.reserve
+
+    def counting(self, nbytes, pinned):
+        before = self.allocations
+        out = reserve(self, nbytes, pinned)
+        if self.allocations != before:
+            # The loop's own thread, in a block, is what blocks the training (a reservation still running when
+            # a block begins is waited for there, but allocates in its own thread).
+            if run._checkpoints._in_block and threading.current_thread() is threading.main_thread():
+                inside[-1] += 1
+            else:
+                outside.append(threading.current_thread().name)
+        return out
+
+    monkeypatch.setattr(HostBuffer, "reserve", counting)
+    model, opt = model_and_opt()
+    if run.resumed:
+        load_state(run.resume_path / "state.safetensors", model=model, optimizer=opt)
+    if prepare:
+        run.prepare_checkpoint(model=model, optimizer=opt)  # before the loop: Adam has no state yet
+    for step, _ in run.steps():
+        opt.zero_grad()
+        model(torch.ones(2, 64)).sum().backward()
+        opt.step()
+        if run.at_eval:
+            inside.append(0)
+            with run.checkpoint() as ck:
+                save_state(ck.path("state.safetensors"), model=model, optimizer=opt)
+        if step == steps_done:
+            break
+    run.wait_for_checkpoint()
+    return inside, outside
+
+
+def test_prepare_checkpoint_allocates_the_first_buffer_in_the_background(tmp_path, monkeypatch):
+    run = make_run(tmp_path, steps=40)
+    inside, outside = _train_counting_allocations(run, monkeypatch, prepare=True)
+    assert inside == [0, 0, 0, 0]  # not even the first checkpoint allocates in its block
+    assert outside == ["gwenlake-host-buffers"]  # once, sized after the first step (Adam's state included)
+    ck = run.latest_checkpoint
+    size = (ck.path / "state.safetensors").stat().st_size
+    assert run._checkpoints.buffers.buffers[0]._buf.numel() == size
+
+
+def test_without_prepare_only_the_first_checkpoint_allocates_and_a_resume_sizes_it_from_the_checkpoint(
+        tmp_path, monkeypatch):
+    run = make_run(tmp_path, steps=40)
+    inside, outside = _train_counting_allocations(run, monkeypatch, steps_done=25)
+    assert inside == [1, 0] and outside == []  # a fresh run: the first block allocates, later ones never
+    resumed = make_run(tmp_path, steps=40)
+    assert resumed.start_step == 20
+    inside, outside = _train_counting_allocations(resumed, monkeypatch)
+    assert inside == [0, 0] and outside == ["gwenlake-host-buffers"]  # sized by step 20's state file
+    before = load_file(str(resumed.latest_checkpoint.path / "state.safetensors"))
+    assert before  # the snapshot written through the reserved buffer is a readable file
+
+
+def test_a_synchronous_run_reserves_nothing(tmp_path, monkeypatch):
+    run = make_run(tmp_path, steps=20, checkpoint_async=False)
+    inside, outside = _train_counting_allocations(run, monkeypatch, prepare=True)
+    assert inside == [0, 0] and outside == [] and run._checkpoints.buffers.buffers == []

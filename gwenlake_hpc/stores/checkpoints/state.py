@@ -93,6 +93,39 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
         doc = {"format": 1, "writer": writer_version(), "structure": _encode(others, "", tensors)}
         return save_sharded(Path(path), model=model, optimizer=optimizer, doc=doc, tensors=tensors,
                             pending=open_checkpoint_of(path))
+    tensors, meta = _plain_file(parts)
+    path = Path(path)
+    pending = open_checkpoint_of(path)
+    if pending is not None:
+        return pending.put_tensors(path, tensors, meta)
+    write_tensors(path, tensors, meta)
+    return path
+
+
+def state_file_size(*, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                    scheduler: Any = None, extra: Mapping[str, Any] | None = None) -> int | None:
+    """The size in bytes of the file ``save_state`` would write of these parts now (None for a sharded state,
+    which is not snapshotted into a host buffer). Reads shapes and dtypes only: nothing is copied.
+
+    Raises:
+        CheckpointError: as :func:`save_state`.
+    """
+    parts: dict[str, Any] = {}
+    for name, part in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
+        if part is not None:
+            parts[name] = part.state_dict()
+    if extra is not None:
+        parts["extra"] = dict(extra)
+    if holds_dtensors(parts.get("model")) or holds_dtensors(parts.get("optimizer")):
+        return None
+    from .tensorfile import layout
+
+    return layout(*_plain_file(parts)).size
+
+
+def _plain_file(parts: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of the safetensors file of non-sharded ``parts`` (part name -> state)."""
+    tensors: dict[str, torch.Tensor] = {}
     views: dict[str, list] = {}
     dropped: dict[str, str] = {}
     if list(parts) == ["model"] or (list(parts) == ["model", "extra"] and not parts["extra"]):
@@ -107,14 +140,7 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
     if views:
         doc["views"] = views
     # save_model's own record of what it dropped (name -> kept name), after ours: it never replaces it either.
-    meta = state_metadata(doc, dropped)
-
-    path = Path(path)
-    pending = open_checkpoint_of(path)
-    if pending is not None:
-        return pending.put_tensors(path, tensors, meta)
-    write_tensors(path, tensors, meta)
-    return path
+    return tensors, state_metadata(doc, dropped)
 
 
 def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,

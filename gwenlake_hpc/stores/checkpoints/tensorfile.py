@@ -211,12 +211,18 @@ class HostBuffer:
 
     def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` bytes (its first bytes; contents undefined)."""
+        return self.reserve(nbytes, pinned)[:nbytes]
+
+    def reserve(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        """Make the buffer hold at least ``nbytes`` bytes (pinned when asked); returns the whole buffer.
+
+        Allocates only when it is missing, smaller or not pinned as asked (``allocations`` counts it)."""
         buf = self._buf
         if buf is None or buf.numel() < nbytes or (pinned and not buf.is_pinned()):
             self._buf = buf = None  # free the old one first: two buffers at once would double the peak
             self._buf = buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
             self.allocations += 1
-        return buf[:nbytes]
+        return buf
 
 
 class Snapshot:

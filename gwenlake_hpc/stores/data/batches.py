@@ -171,10 +171,39 @@ class Batches:
             )
         return self._iterate(epoch, start, seed, n_batches)
 
+    def spans(self, epoch: int, spans: list[tuple[int, int]], seed: int = 0) -> Iterator[dict[str, Any]]:
+        """Yield batches of ``batch_size`` rows over the row positions ``[a, z)`` of each span of ``spans``,
+        in that order, in the epoch order fixed by ``(seed, epoch)``; the last batch may be shorter.
+
+        A position ``p`` is the ``p``-th row of the epoch's order (batch ``k`` of :meth:`epoch` covers positions
+        ``[k * batch_size, (k + 1) * batch_size)``), so ``spans(e, [(k * batch_size, rows)])`` yields what
+        ``epoch(e, start=k)`` yields. A batch may join the end of one span to the start of the next. Used by
+        the Run to resume on another number of ranks (each rank reads its share of the rows an interrupted
+        epoch has left). Rows before a span are not read; prefetch as :meth:`epoch`.
+
+        Raises :class:`ConfigError` if ``epoch`` or ``seed`` is not an integer >= 0, or a span is not
+        ``0 <= a <= z <= rows``.
+        """
+        epoch = _non_negative_int(epoch, "epoch")
+        seed = _non_negative_int(seed, "seed")
+        checked = []
+        for a, z in spans:
+            a, z = _non_negative_int(a, "span start"), _non_negative_int(z, "span stop")
+            if a > z or z > self.dataset.rows:
+                raise ConfigError(f"span [{a}, {z}) is not within the {self.dataset.rows} rows of dataset "
+                                  f"{self.dataset.name}")
+            if a < z:
+                checked.append((a, z))
+        return self._stream(functools.partial(self._produce_spans, epoch, seed, checked), bool(checked))
+
     def _iterate(self, epoch: int, start: int, seed: int, n_batches: int) -> Iterator[dict[str, Any]]:
-        if start >= n_batches:
+        end = n_batches * self.batch_size if self.drop_last else self.dataset.rows  # positions used this epoch
+        produce = functools.partial(self._produce_spans, epoch, seed, [(start * self.batch_size, end)])
+        return self._stream(produce, start < n_batches)
+
+    def _stream(self, produce: Any, anything: bool) -> Iterator[dict[str, Any]]:
+        if not anything:
             return
-        produce = functools.partial(self._produce, epoch, start, seed, n_batches)
         if not self.prefetch:
             yield from produce()
             return
@@ -186,42 +215,42 @@ class Batches:
         finally:
             stream.close()  # type: ignore[attr-defined]  # stops and joins the thread, also when abandoned
 
-    def _produce(self, epoch: int, start: int, seed: int, n_batches: int) -> Iterator[dict[str, Any]]:
+    def _produce_spans(self, epoch: int, seed: int, spans: list[tuple[int, int]]) -> Iterator[dict[str, Any]]:
+        """Batches of ``batch_size`` rows over the positions of ``spans`` (non-empty, within the rows); the
+        last one is what is left. One window is held at a time (a span inside the current window reuses it)."""
         bs = self.batch_size
-        end = n_batches * bs if self.drop_last else self.dataset.rows  # positions used this epoch
         plan = self._plan(epoch, seed)
-        pos = start * bs
-        w = int(np.searchsorted(plan.offsets, pos, side="right")) - 1
-        batch = start
-        need = min(bs, end - pos)
+        need = bs
         pieces: list[dict[str, np.ndarray]] = []
-        while batch < n_batches:
-            window: dict[str, np.ndarray] | None = self._load_window(plan, w)
-            perm = (
-                np.random.default_rng([seed, epoch, w]).permutation(int(plan.window_sizes[w]))
-                if self.shuffle
-                else None
-            )
-            local = pos - int(plan.offsets[w])
-            size = int(plan.window_sizes[w])
-            while local < size and batch < n_batches:
-                take = min(need, size - local)
+        current, window, perm = -1, None, None
+        for a, z in spans:
+            pos = a
+            while pos < z:
+                w = int(np.searchsorted(plan.offsets, pos, side="right")) - 1
+                if w != current:
+                    # Drop this window before reading the next so at most one is held.
+                    window = perm = None
+                    window = self._load_window(plan, w)
+                    perm = (
+                        np.random.default_rng([seed, epoch, w]).permutation(int(plan.window_sizes[w]))
+                        if self.shuffle
+                        else None
+                    )
+                    current = w
+                local = pos - int(plan.offsets[w])
+                take = min(need, int(plan.window_sizes[w]) - local, z - pos)
                 if perm is None:
-                    pieces.append({c: a[local : local + take].copy() for c, a in window.items()})  # type: ignore[union-attr]
+                    pieces.append({c: a_[local : local + take].copy() for c, a_ in window.items()})  # type: ignore[union-attr]
                 else:
                     idx = perm[local : local + take]
-                    pieces.append({c: a[idx] for c, a in window.items()})  # type: ignore[union-attr]
-                local += take
+                    pieces.append({c: a_[idx] for c, a_ in window.items()})  # type: ignore[union-attr]
                 pos += take
                 need -= take
                 if need == 0:
                     yield self._assemble(pieces)
-                    pieces = []
-                    batch += 1
-                    need = min(bs, end - pos)
-            # Drop this window before reading the next so at most one is held.
-            window = perm = None
-            w += 1
+                    pieces, need = [], bs
+        if pieces:
+            yield self._assemble(pieces)
 
     def _assemble(self, pieces: list[dict[str, np.ndarray]]) -> dict[str, Any]:
         import torch  # on use: reading, writing and listing datasets do not need torch (2+ s to import)
