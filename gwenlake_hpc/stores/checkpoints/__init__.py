@@ -9,6 +9,7 @@
   world size (``save_state``/``load_state`` dispatch to it).
 - :mod:`.tensorfile`: the safetensors format written and read in one streamed pass with its digest; host
   snapshots for asynchronous writes.
+- :mod:`.buffers`: the host buffers reused by asynchronous checkpoints, allocated ahead when their sizes are known.
 - :mod:`.writer`: the background thread that seals asynchronous checkpoints, one at a time.
 - :mod:`.digest`: the file digests of manifests (XXH3-128; sha256 for format 1).
 - :mod:`.resume`: the resume rule (``job.resume=auto|never``) over a store, shared by the job and the Run.
@@ -16,7 +17,8 @@
   by tensor.
 """
 
-from .store import (MANIFEST, RANKS_DIR, RUN_STATE, BufferPool, Checkpoint, CheckpointFormatError, CheckpointStore,
+from .buffers import BufferPool
+from .store import (MANIFEST, RANKS_DIR, RUN_STATE, Checkpoint, CheckpointFormatError, CheckpointStore,
                     PendingCheckpoint, rank_state_name)
 from ...base.errors import DamagedFileError
 from .writer import BackgroundWriter
