@@ -332,11 +332,11 @@ def _full_state(model, opt):
 def fit_fsdp(data, output, run, config: Params):
     """The model sharded by FSDP2 (``fully_shard``) over the ranks, AdamW, a sharded ``save_state`` every 5 steps.
 
-    Hooks (besides GWL_TEST_SIGTERM_AT / GWL_TEST_SIGTERM_RANK): GWL_TEST_DUMP=dir makes rank 0 torch.save the full
-    state right after each checkpoint (``saved-<step>.pt``) and right after the resume's load_state
-    (``loaded-<step>-world-<n>.pt``); GWL_TEST_INIT_FROM=file loads a plain save_state file into the sharded model
-    first (dumped as ``init.pt``); GWL_TEST_SIGKILL=k:phase[:n] SIGKILLs one rank at a moment of step k (see
-    :class:`_SigkillPlan`).
+    Hooks (besides GWL_TEST_SIGTERM_AT / GWL_TEST_SIGTERM_RANK / GWL_TEST_SLEEP): GWL_TEST_DUMP=dir makes rank 0
+    torch.save the full state right after each checkpoint (``saved-<step>.pt``) and right after the resume's
+    load_state (``loaded-<step>-world-<n>.pt``); GWL_TEST_INIT_FROM=file loads a plain save_state file into the
+    sharded model first (dumped as ``init.pt``); GWL_TEST_SIGKILL=k:phase[:n] SIGKILLs one rank at a moment of
+    step k (see :class:`_SigkillPlan`).
     """
     torch.manual_seed(1234)  # the same initial weights on every rank and world size
     model = nn.Sequential(nn.Linear(4, config.hidden), nn.ReLU(), nn.Linear(config.hidden, 1))
@@ -365,6 +365,7 @@ def fit_fsdp(data, output, run, config: Params):
     sigterm_rank = int(os.environ.get("GWL_TEST_SIGTERM_RANK", run.rank))
     sigterm_at = int(os.environ.get("GWL_TEST_SIGTERM_AT", "-1"))
     kill = _SigkillPlan(run.rank)
+    sleep_s = float(os.environ.get("GWL_TEST_SLEEP", "0"))
     for step, batch in run.steps(data.batches(config.batch_size)):
         loss = nn.functional.mse_loss(model(batch["x"]).squeeze(-1), batch["y"])
         opt.zero_grad()
@@ -374,6 +375,8 @@ def fit_fsdp(data, output, run, config: Params):
         kill.at(step, "step")
         if step == sigterm_at and run.rank == sigterm_rank:
             os.kill(os.getpid(), signal.SIGTERM)
+        if sleep_s:
+            time.sleep(sleep_s)
         if run.at_eval:
             with run.checkpoint(keep=3) as ck:
                 kill.at(step, "before_write")
