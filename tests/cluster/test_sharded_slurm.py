@@ -123,7 +123,11 @@ def test_fsdp_on_two_nodes_is_preempted_resumes_and_continues_on_one_node(projec
     assert runs[0].data.tags["gwenlake.run_key"] == run_dir.name
     assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(1, 81))
     info = json.loads((run_dir / "run.json").read_text())
-    assert [s["world_size"] for s in info["starts"]] == [2, 2, 1], info["starts"]
+    # A start of one process records no world_size
+    assert [s.get("world_size", 1) for s in info["starts"]] == [2, 2, 1], info["starts"]
+
+    print(f"two nodes: preempted, resumed from step {resumed}, cancelled; one node: resumed from step {newest}, "
+          f"finished at 80; MLflow run {run_id}", flush=True)
 
     # The version: one full safetensors file, opened by load_model and run by a plain (unsharded) model.
     from safetensors.torch import load_model as load_safetensors
