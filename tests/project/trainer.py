@@ -21,12 +21,15 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_SEEN=prefix        each rank appends "step epoch x0 x0 ..." (column x[:, 0] of its batch) to prefix.<rank>
   GWL_TEST_EXTRA_MB=m[:k]     checkpoints carry an extra float32 tensor of m MiB (from step k on), filled with
                               the step (no RNG drawn, so the training is the same as without it)
+  GWL_TEST_SIGKILL=k:phase[:n] (fit_fsdp) rank GWL_TEST_SIGKILL_RANK (default 1) SIGKILLs itself at step k, at
+                              phase step|before_write|mid_write|after_write|after_gather (see _SigkillPlan)
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,6 +237,98 @@ def short(data, output, config: Params):
     return {"mse": float(np.mean((x @ w - data["y"].to_numpy()) ** 2))}
 
 
+def _sigkill(moment):
+    """Say on stderr where this process dies (the tests check that the planned moment was reached), then die."""
+    print(f"test hook: SIGKILL {moment}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _KillingStream:
+    """A DCP output stream that SIGKILLs the process once ``limit`` bytes went through it (those bytes are
+    written and flushed first: a torn shard file is left behind)."""
+
+    def __init__(self, stream, limit):
+        self._stream, self._left, self._written = stream, limit, 0
+
+    def write(self, data):
+        view = memoryview(data).cast("B")
+        if len(view) >= self._left:
+            self._stream.write(view[: self._left])
+            self._stream.flush()
+            _sigkill(f"after {self._written + self._left} bytes of {self._stream.name}")
+        self._left -= len(view)
+        self._written += len(view)
+        return self._stream.write(view)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+class _SigkillPlan:
+    """GWL_TEST_SIGKILL=k:phase[:n]: the rank GWL_TEST_SIGKILL_RANK (default 1) SIGKILLs itself at step k.
+
+    Phases, in the order a sharded checkpoint goes through them on that rank:
+      step          during step k, after the optimizer step, outside any checkpoint block;
+      before_write  inside the checkpoint block of step k, before its save_state (the DCP write);
+      mid_write     after n bytes (default 1) of its shard file ``__<rank>_0.distcp`` reached the file (DCP's
+                    FileSystem streams are wrapped; if the shard is shorter, at the end of its write);
+      after_write   save_state returned (the shard written, fsynced, hashed and recorded), before the Run
+                    gathers the digests to rank 0;
+      after_gather  just after the gather of the digests, before rank 0's seal is confirmed (rank 0 seals).
+    mid_write and after_gather patch a torch / gwenlake_hpc function in this process only (a test hook)."""
+
+    PHASES = ("step", "before_write", "mid_write", "after_write", "after_gather")
+
+    def __init__(self, rank):
+        spec = os.environ.get("GWL_TEST_SIGKILL", "")
+        self.step, self.phase, self.limit = -1, None, 1
+        if spec and rank == int(os.environ.get("GWL_TEST_SIGKILL_RANK", "1")):
+            step, phase, *limit = spec.split(":")
+            assert phase in self.PHASES, spec
+            self.step, self.phase, self.limit = int(step), phase, int(limit[0]) if limit else 1
+
+    def at(self, step, phase):
+        """SIGKILL now when (step, phase) is the plan's; arm the patched functions of mid_write/after_gather."""
+        if step != self.step:
+            return
+        if phase == "before_write" and self.phase == "mid_write":
+            self._arm_stream()
+        elif phase == "before_write" and self.phase == "after_gather":
+            self._arm_gather()
+        elif phase == self.phase:
+            _sigkill(f"at step {step}, {phase}")
+
+    def _arm_stream(self):
+        import contextlib
+
+        from torch.distributed.checkpoint import filesystem
+
+        original, limit = filesystem.FileSystem.create_stream, self.limit
+
+        @contextlib.contextmanager
+        def create_stream(fs, path, mode):
+            with original(fs, path, mode) as stream:
+                if "w" not in mode or not str(path).endswith(".distcp"):
+                    yield stream
+                    return
+                yield _KillingStream(stream, limit)
+                _sigkill(f"at the end of {path}, shorter than {limit} bytes")
+
+        filesystem.FileSystem.create_stream = create_stream
+
+    def _arm_gather(self):
+        from gwenlake_hpc.runtime import distributed
+
+        original, step = distributed.Dist.gather, self.step
+
+        def gather(d, obj):
+            out = original(d, obj)
+            _sigkill(f"after the gather of step {step}")
+            return out
+
+        distributed.Dist.gather = gather
+
+
 def _full_state(model, opt):
     """The full (unsharded) model and optimizer state on every rank (a collective under FSDP2)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -245,10 +340,11 @@ def _full_state(model, opt):
 def fit_fsdp(data, output, run, config: Params):
     """The model sharded by FSDP2 (``fully_shard``) over the ranks, AdamW, a sharded ``save_state`` every 5 steps.
 
-    Hooks (besides GWL_TEST_SIGTERM_AT / GWL_TEST_SIGTERM_RANK): GWL_TEST_DUMP=dir makes rank 0 torch.save the full
-    state right after each checkpoint (``saved-<step>.pt``) and right after the resume's load_state
-    (``loaded-<step>-world-<n>.pt``); GWL_TEST_INIT_FROM=file loads a plain save_state file into the sharded model
-    first (dumped as ``init.pt``).
+    Hooks (besides GWL_TEST_SIGTERM_AT / GWL_TEST_SIGTERM_RANK / GWL_TEST_SLEEP): GWL_TEST_DUMP=dir makes rank 0
+    torch.save the full state right after each checkpoint (``saved-<step>.pt``) and right after the resume's
+    load_state (``loaded-<step>-world-<n>.pt``); GWL_TEST_INIT_FROM=file loads a plain save_state file into the
+    sharded model first (dumped as ``init.pt``); GWL_TEST_SIGKILL=k:phase[:n] SIGKILLs one rank at a moment of
+    step k (see :class:`_SigkillPlan`).
     """
     torch.manual_seed(1234)  # the same initial weights on every rank and world size
     model = nn.Sequential(nn.Linear(4, config.hidden), nn.ReLU(), nn.Linear(config.hidden, 1))
@@ -276,17 +372,24 @@ def fit_fsdp(data, output, run, config: Params):
             torch.save(full, dump / f"loaded-{run.start_step}-world-{run.world_size}.pt")
     sigterm_rank = int(os.environ.get("GWL_TEST_SIGTERM_RANK", run.rank))
     sigterm_at = int(os.environ.get("GWL_TEST_SIGTERM_AT", "-1"))
+    kill = _SigkillPlan(run.rank)
+    sleep_s = float(os.environ.get("GWL_TEST_SLEEP", "0"))
     for step, batch in run.steps(data.batches(config.batch_size)):
         loss = nn.functional.mse_loss(model(batch["x"]).squeeze(-1), batch["y"])
         opt.zero_grad()
         loss.backward()
         opt.step()
         run.log({"loss": loss.item()})
+        kill.at(step, "step")
         if step == sigterm_at and run.rank == sigterm_rank:
             os.kill(os.getpid(), signal.SIGTERM)
+        if sleep_s:
+            time.sleep(sleep_s)
         if run.at_eval:
             with run.checkpoint(keep=3) as ck:
+                kill.at(step, "before_write")
                 save_state(ck.path("state.safetensors"), model=model, optimizer=opt, extra={"step": step})
+                kill.at(step, "after_write")
             if dump is not None:
                 full = _full_state(model, opt)
                 if run.is_main:

@@ -38,3 +38,26 @@ def test_inputs_are_opened_at_the_planned_revision_or_refused(tmp_path):
     write(catalog, 2.0)
     with pytest.raises(ConfigError, match="dataset g.rows changed while the job started"):
         open_inputs(plan)
+
+
+def test_the_launchers_nodes_and_tasks_per_node_do_not_change_the_run_key(project, monkeypatch):
+    """A job resubmitted on fewer nodes (or tasks a node) resumes the same run: same key, same run directory."""
+    from hydra import compose, initialize_config_dir
+
+    from gwenlake_hpc.job.config import register
+    from gwenlake_hpc.job.plan import plan
+
+    monkeypatch.chdir(project.root)  # the target trainer.py and data/ are the project's
+    register()
+    job = ["+job=t", "job.target=trainer.py:fit_fsdp"]
+    layouts = [["launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=1"],
+               ["launcher=slurm", "launcher.nodes=1", "launcher.tasks_per_node=1"],
+               ["launcher=slurm", "launcher.nodes=1", "launcher.tasks_per_node=4"],
+               []]  # the local launcher
+    with initialize_config_dir(config_dir=str(project.root / "conf"), version_base="1.3"):
+        plans = [plan(compose("config", overrides=job + layout)) for layout in layouts]
+        other = plan(compose("config", overrides=job + ["job.params.lr=0.02"] + layouts[0]))
+    assert [p.cfg.launcher.get("nodes") for p in plans] == [2, 1, 1, None]  # the layouts did differ
+    assert len({p.key for p in plans}) == 1 and len({p.run_dir for p in plans}) == 1, [p.key for p in plans]
+    assert plans[0].key.startswith("fit_fsdp-")
+    assert other.key != plans[0].key  # a hyperparameter does change it: the key is not constant
