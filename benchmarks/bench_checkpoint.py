@@ -39,22 +39,7 @@ from gwenlake_hpc.stores.checkpoints import CheckpointStore
 from gwenlake_hpc.runtime.run import Run
 from gwenlake_hpc.runtime.signals import StopRequest
 from gwenlake_hpc.stores.tracking import NullTracker
-
-
-def rss_kib(field: str = "VmRSS") -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(field)
-
-
-def reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
+from memory import reset_peak, vm_bytes
 
 
 def fsync_file(path: Path) -> None:
@@ -109,7 +94,7 @@ def main() -> None:
             run.store.retain(1)  # outside the timing: deleting old checkpoints is not writing this one
             return blocked, sealed - blocked
 
-        base_rss = rss_kib()
+        base_rss = vm_bytes()
         peaks, blocks, seals = [], [], []
         for _ in range(10):
             peaked = reset_peak()
@@ -117,7 +102,7 @@ def main() -> None:
             blocks.append(b)
             seals.append(s)
             if peaked:
-                peaks.append((rss_kib("VmHWM") - base_rss) * 1024 / state_bytes)
+                peaks.append((vm_bytes("VmHWM") - base_rss) / state_bytes)
         async_block = statistics.median(blocks[1:])
         async_seal = statistics.median(seals[1:])
         print(f"async_first_block_s {blocks[0]:.3f}")

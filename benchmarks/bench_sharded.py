@@ -47,23 +47,9 @@ import time
 import warnings
 from pathlib import Path
 
+from memory import reset_peak, vm_bytes, write_fsync
+
 WIDTH = 1024
-
-
-def vm_bytes(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
-def reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def give_back_heap() -> None:
@@ -259,14 +245,8 @@ def worker(args: argparse.Namespace) -> None:
     if async_peak is not None:  # for comparison with ours: its staging copy (and the rest)
         figure("dcp_async_save_extra_peak_rss_over_shard", async_peak / shard_bytes)
 
-    chunk = bytearray(64 << 20)
-
     def raw_write(i):
-        with open(tmp / f"raw-{rank}.bin", "wb", buffering=0) as fh:
-            left = shard_bytes
-            while left > 0:
-                left -= fh.write(memoryview(chunk)[:min(left, len(chunk))])
-            os.fsync(fh.fileno())
+        write_fsync(tmp / f"raw-{rank}.bin", shard_bytes)
 
     raw_s = timed(raw_write)
     figure("raw_write_fsync_shard_s", raw_s)
@@ -415,14 +395,8 @@ def our_figures(args, d, tmp: Path, model, opt, timed, shard_bytes: int, layers:
     if d.rank == 0:
         own += (ckdir / "MANIFEST.json").stat().st_size
     figures["checkpoint_bytes"] = own
-    chunk = bytearray(64 << 20)
-
     def raw_write(i):
-        with open(tmp / f"raw-ours-{d.rank}.bin", "wb", buffering=0) as fh:
-            left = own
-            while left > 0:
-                left -= fh.write(memoryview(chunk)[:min(left, len(chunk))])
-            os.fsync(fh.fileno())
+        write_fsync(tmp / f"raw-ours-{d.rank}.bin", own)
         dist.barrier()  # until every rank's bytes are durable, as the seal waits for every rank
 
     figures["raw_write_fsync_ours_bytes_s"] = timed(raw_write)
