@@ -314,11 +314,12 @@ def settable_launcher_overrides(argv: Any, root: Path) -> list[str]:
     if not isinstance(data, dict) or any(d in ("slurm_schema", "local_schema") for d in data.get("defaults") or []):
         return argv
     fields = schema_fields(SlurmLauncherConfig)[0]
+    parser = OverridesParser.create()
     for i, arg in enumerate(argv):
         if not arg.startswith("launcher.") or "=" not in arg:
             continue
         try:
-            (o,) = OverridesParser.create().parse_overrides([arg])
+            (o,) = parser.parse_overrides([arg])
         except HydraException:
             continue
         top = o.key_or_group.split(".")[1]
