@@ -178,6 +178,7 @@ class PlanStream:
                  saved: dict[str, Any] | None = None):
         self.batches, self.per_epoch, self.rank, self.world_size, self.seed = (batches, per_epoch, rank,
                                                                                  world_size, seed)
+        self._it: Iterator[Any] | None = None  # the open epoch's (or segment's) batches
         self.batch_size = int(batches.batch_size)
         self.rows = int(batches.dataset.rows)
         end = len(batches) * self.batch_size if batches.drop_last else self.rows  # positions used per epoch
@@ -274,7 +275,7 @@ class PlanStream:
                                              self._read(seg, seg["steps"])["samples"])
             self.k = 0
             self.close()  # the finished epoch's iterator (a rank's shard ends before the epoch does)
-        if getattr(self, "_it", None) is None:
+        if self._it is None:
             self._it = self._open(self.segment, self.k)
         batch = next(self._it)
         self.k += 1
@@ -288,7 +289,7 @@ class PlanStream:
 
     def close(self) -> None:
         """Close the open epoch's iterator (stops its prefetch thread)."""
-        it, self._it = getattr(self, "_it", None), None
+        it, self._it = self._it, None
         if it is not None and hasattr(it, "close"):
             it.close()
 
