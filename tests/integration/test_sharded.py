@@ -145,7 +145,12 @@ def test_a_flipped_byte_in_rank_1s_shard_sets_the_checkpoint_aside_and_both_rank
     shard.write_bytes(bytes(data))
 
     damaged = launch(project, *FSDP, timeout=600)
-    assert [r[0] for r in damaged] == [1, 1], _text(damaged)
+    # Every rank fails with the damaged file named. gloo can abort a failed rank as it exits ("terminate called
+    # without an active exception", SIGABRT) when the peer closed first: seen under load; the exit is still a
+    # failure, and the message below is asserted on that rank too.
+    assert all(rc == 1 or (rc == -6 and "does not match its xxh3_128 digest" in se) for rc, _, se in damaged), \
+        _text(damaged)
+    assert all("does not match its xxh3_128 digest" in so + se for _, so, se in damaged), _text(damaged)
     text = _text(damaged)
     assert "__1_0.distcp does not match its xxh3_128 digest" in text, text
     assert all("rerun the job: it resumes from the previous intact checkpoint" in so + se
