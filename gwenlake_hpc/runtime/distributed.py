@@ -8,7 +8,10 @@ Outside SLURM, a launcher such as ``torchrun`` that sets ``RANK``/``WORLD_SIZE``
 
 The training's own collectives (DDP's gradient all-reduce) use the default group: ``nccl`` on CUDA, ``gloo`` on
 the CPU. The Run's control decisions (did any rank get a stop request? which checkpoint do we resume?) go
-through a separate ``gloo`` group on CPU tensors, so they never synchronise a GPU stream.
+through a separate ``gloo`` group on CPU tensors, so they never synchronise a GPU stream. The background
+checkpoint writer has a ``gloo`` group of its own (:meth:`Dist.background`): its collectives (DCP's plans, the
+shards' digests, the seal) run in its thread while the training's run in the main thread, and two threads must
+never share a group.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ class Dist:
     local_rank: int = 0
     backend: str | None = None
     _control: Any = field(default=None, repr=False)
+    _background: "Dist | None" = field(default=None, repr=False)
+    #: seconds a collective of a group made here may wait (the default group's, from :func:`setup`)
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
     @property
     def enabled(self) -> bool:
@@ -49,6 +55,27 @@ class Dist:
     def is_main(self) -> bool:
         """True on rank 0, the rank that writes checkpoints, logs to tracking and commits."""
         return self.rank == 0
+
+    @property
+    def group(self) -> Any:
+        """The process group of this Dist's collectives (None: the default group)."""
+        return self._control
+
+    def background(self) -> "Dist":
+        """The same ranks on a ``gloo`` group of their own, for the collectives of the background checkpoint
+        writer's thread. Made by the first call, which is a collective of the default group: every rank makes
+        it at the same point of the training (the first asynchronous sharded checkpoint). A single process:
+        itself.
+        """
+        if not self.enabled:
+            return self
+        if self._background is None:
+            import torch.distributed as dist
+
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+            self._background = Dist(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
+                                    backend="gloo", _control=group, timeout_s=self.timeout_s)
+        return self._background
 
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on at least one (a collective: all ranks must call it)."""
@@ -71,6 +98,18 @@ class Dist:
         t = torch.tensor([int(value)], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
         return int(t.item())
+
+    def maxima(self, values: list[int]) -> list[int]:
+        """The element-wise largest of ``values`` (ints, the same length on every rank) over all ranks, on every
+        rank: several decisions in one collective (all ranks must call it)."""
+        if not self.enabled:
+            return [int(v) for v in values]
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
+        return [int(v) for v in t.tolist()]
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (a picklable value; a collective)."""
@@ -150,7 +189,8 @@ def setup(timeout_s: float | None = None) -> Dist:
         dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
                                 timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-    return Dist(rank=rank, world_size=world, local_rank=local, backend=backend, _control=control)
+    return Dist(rank=rank, world_size=world, local_rank=local, backend=backend, _control=control,
+                timeout_s=timeout_s)
 
 
 def teardown(d: Dist, ok: bool = True) -> None:

@@ -344,6 +344,7 @@ class Run:
             self._feed.close()  # stops a prefetch thread now; the data position stays readable
         if self._progress is not None:
             self._progress.close()
+        self._checkpoints.buffers.close()  # DCP's stager of sharded states: its thread and cached host copies
         if self.evicted:
             log.warning("stop requested (%s): loop ended after step %d", self._stop.reason, self.step)
 

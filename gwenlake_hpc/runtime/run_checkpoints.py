@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..base.errors import CheckpointError, ConfigError
-from ..base.fsutil import write_atomic
 from ..stores.checkpoints import BackgroundWriter, BufferPool, Checkpoint, CheckpointStore, PendingCheckpoint
 from ..stores.checkpoints import rank_state_name
 from .distributed import Dist
@@ -113,33 +112,42 @@ class RunCheckpoints:
             self.reserve_ahead()
 
     def reserve_ahead(self) -> None:
-        """Allocate the host buffers of the first asynchronous checkpoint in the background, once (rank 0: the
-        other ranks' plain state files are discarded, never snapshotted).
+        """Allocate the host memory of the first asynchronous checkpoint in the background, once.
 
-        Sized by :func:`~gwenlake_hpc.stores.checkpoints.state.state_file_size` of the parts given to
-        ``run.prepare_checkpoint``, else by the ``save_state`` files of the checkpoint this run resumed from;
-        nothing when neither is known or a checkpoint of this process already made its buffers. Pinned memory
-        when the training uses CUDA (``torch.cuda.is_initialized()``), on its current device.
+        Plain state files (rank 0 only: the other ranks' are discarded, never snapshotted): buffers sized by
+        :func:`~gwenlake_hpc.stores.checkpoints.state.state_file_size` of the parts given to
+        ``run.prepare_checkpoint``, else by the ``save_state`` files of the checkpoint this run resumed from.
+        Sharded states (every rank): the host copies of each rank's shards of the parts given to
+        ``run.prepare_checkpoint`` (DCP's stager, cached by source tensor). Nothing when neither is known or a
+        checkpoint of this process already made its buffers. Pinned memory when the training uses CUDA
+        (``torch.cuda.is_initialized()``), on its current device.
         """
-        if self._reserved or not self.dist.is_main or self.last_step is not None or "torch" not in sys.modules:
+        if self._reserved or self.last_step is not None or "torch" not in sys.modules:
             return
         self._reserved = True
+        sizes: list[int] = []
+        states: list[dict[str, Any]] = []
         if self._prepared:
-            from ..stores.checkpoints.state import state_file_size  # torch: only trainings that use it get here
+            # torch: only trainings that use it get here
+            from ..stores.checkpoints.state import sharded_staging_state, state_file_size
 
-            sizes = [n for n in (state_file_size(**p) for p in self._prepared) if n is not None]
-        elif self.latest is not None:
+            for parts in self._prepared:
+                staged = sharded_staging_state(**parts)
+                if staged is not None:
+                    states.append(staged)
+                elif self.dist.is_main:
+                    size = state_file_size(**parts)
+                    sizes += [size] if size is not None else []
+        elif self.latest is not None and self.dist.is_main:
             files = self.latest.manifest.get("files", {})
             sizes = [int(e["size"]) for name, e in sorted(files.items())
                      if "/" not in name and name.endswith(".safetensors") and e.get("verify") == "on_load"]
-        else:
-            sizes = []
-        if not sizes:
+        if not sizes and not states:
             return
         import torch
 
         pinned = torch.cuda.is_available() and torch.cuda.is_initialized()
-        self.buffers.reserve(sizes, pinned, torch.cuda.current_device() if pinned else None)
+        self.buffers.reserve(sizes, pinned, torch.cuda.current_device() if pinned else None, tuple(states))
 
     def wait(self, raise_error: bool = True) -> Checkpoint | None:
         """Block until the checkpoint being written in the background (if any) is sealed; return
@@ -216,6 +224,14 @@ class RunCheckpoints:
             # This step's breakdown goes with the points the seal makes durable: logged after the seal, a kill
             # could lose it for good (the resumed run starts after this step).
             breakdown.log_times(pending.step, during_step=True)
+        job = self._sealer(pending, keep)
+        if asynchronous:
+            self.writer.submit(self._in_background(job, pending.step))
+        else:
+            job()
+
+    def _sealer(self, pending: PendingCheckpoint, keep: int | None) -> Callable[[], Checkpoint]:
+        """The sealing of ``pending`` (rank 0): the tracker's points made durable, the seal, retention."""
         make_durable = getattr(self.tracker, "make_durable", None) if self.dist.is_main else None
 
         def job() -> Checkpoint:
@@ -231,88 +247,126 @@ class RunCheckpoints:
                                 ck.path.name, keep, exc)
             return ck
 
-        if asynchronous:
-            step = pending.step
-            previous = self.latest
+        return job
 
-            def background() -> Checkpoint:
-                try:
-                    return job()
-                except OSError as exc:
-                    raise CheckpointError(
-                        f"the checkpoint of step {step} could not be written: {exc} "
-                        f"(errno {exc.errno}); the newest usable checkpoint is "
-                        f"{previous.path if previous else 'none'}") from exc
+    def _in_background(self, job: Callable[[], Checkpoint | None], step: int) -> Callable[[], Checkpoint | None]:
+        """``job`` as the background writer runs it: a failed write is a CheckpointError naming the step, the
+        error and the newest usable checkpoint."""
+        previous = self.latest
 
-            self.writer.submit(background)
-        else:
-            job()
+        def background() -> Checkpoint | None:
+            try:
+                return job()
+            except OSError as exc:
+                raise CheckpointError(
+                    f"the checkpoint of step {step} could not be written: {exc} "
+                    f"(errno {exc.errno}); the newest usable checkpoint is "
+                    f"{previous.path if previous else 'none'}") from exc
+
+        return background
 
     @contextlib.contextmanager
     def _checkpoint_multi(self, step: int, keep: int | None, asynchronous: bool, state: Callable[[], dict[str, Any]],
                           metrics: RunMetrics, log_breakdown: bool) -> Iterator[CheckpointWriter]:
         """The checkpoint protocol of a multi-task run (every rank enters it at the same step).
 
-        Rank 0 waits for its previous background seal, opens the partial directory and tells the others its
-        name; every rank writes its own state (RNG, data position) into it, the user's files of ranks other
-        than 0 go to a discarded scratch folder, except the shards of a sharded ``save_state`` (FSDP2,
+        Every rank waits for its previous background work; rank 0 opens the partial directory and tells the
+        others its name; every rank writes its own state (RNG, data position) into it, the user's files of ranks
+        other than 0 go to a discarded scratch folder, except the shards of a sharded ``save_state`` (FSDP2,
         DTensor), which every rank writes into rank 0's partial folder and reports (sizes, digests) to rank 0;
-        once all ranks report success, rank 0 records the shards in the manifest, seals it (in the
-        background when asynchronous) and tells the others. A failure on any rank aborts the checkpoint on all
-        of them; a failed background seal of rank 0 fails every rank at the next checkpoint.
+        once all ranks report success, rank 0 records the shards in the manifest and seals it. Asynchronous, a
+        sharded state is only staged in the block; each rank's background writer then writes its shards, and
+        the report, the seal and its outcome go over the writer's own process group (:meth:`_sharded_job`).
+        A failure on any rank aborts the checkpoint on all of them; a failed background seal fails every rank
+        at its next step.
         """
         dist, rank = self.dist, self.dist.rank
-        error: BaseException | None = None
-        pending = None
-        if dist.is_main:
-            try:
-                self.writer.wait()
-                pending = self.store.begin(step, buffers=self.buffers if asynchronous else None)
-            except BaseException as exc:  # tell the others before raising
-                error = exc
-        name = dist.broadcast(pending.dir.name if pending else None)
-        if error is not None:
-            raise error
-        if name is None:
-            raise CheckpointError(f"rank {rank}: rank 0 could not start the checkpoint of step {step} "
-                                  "(its previous checkpoint failed to write; see its log)")
-        partial = self.store.root / name
-        if pending is None:
-            shutil.rmtree(self.scratch, ignore_errors=True)
-            pending = PendingCheckpoint(self.store, step, scratch=self.scratch, shared=partial)
+        pending = self._begin_multi(step, asynchronous)
         writer = CheckpointWriter(pending)
+        error: BaseException | None = None
         try:
             yield writer
             if rank:
                 full = state()
                 mine = {k: full[k] for k in ("rng", "rng_epoch_start", "data_position", "step", "epoch")
                         if k in full}
-                # Into rank 0's partial folder, which rank 0 seals (manifest, rename) once every rank reported.
-                write_atomic(partial / rank_state_name(rank), json.dumps(mine, sort_keys=True))
+                # Into rank 0's partial folder, which rank 0 seals once every rank reported: a plain write,
+                # no fsync in the loop (rank 0's seal hashes and fsyncs it with the checkpoint's other files).
+                target = pending.sharded_target(pending.dir / rank_state_name(rank))
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(json.dumps(mine, sort_keys=True))
         except BaseException as exc:  # still take part in the vote, then re-raise
             error = exc
-        failed = dist.any(error is not None)
-        # Each rank's sharded files (written, fsynced and hashed by save_state), for rank 0's manifest.
-        shards = None if failed else dist.gather(pending.shards())
-        sealed = None
+        # One vote: did a rank fail, and how many sharded writes did each leave to the background writer?
+        deferred = pending.deferred if error is None else 0
+        failed, most, least = dist.maxima([error is not None, deferred, -deferred])
+        if not failed and most != -least:
+            error = CheckpointError(
+                f"rank {rank} staged {deferred} sharded state(s) in the checkpoint of step {step}, another rank "
+                f"staged {most if deferred != most else -least}: save_state of a sharded state is a collective, "
+                "every rank calls it with the same parts")
+            failed = True
+        if failed:
+            pending.abort()
+            raise error if error is not None else CheckpointError(
+                f"rank {rank}: the checkpoint of step {step} was not sealed (another rank failed in its "
+                "`with run.checkpoint()` block; see its log)")
+        if most:
+            self._sharded_job(pending, step, keep, state, writer.metrics, metrics, log_breakdown)
+        else:
+            self._seal_multi(pending, step, keep, asynchronous, state, writer.metrics, metrics, log_breakdown)
+        self.last_step = step
+
+    def _begin_multi(self, step: int, asynchronous: bool) -> PendingCheckpoint:
+        """Every rank waits for its background work in flight; rank 0 opens the partial directory, the others
+        a scratch checkpoint that writes shards into it. Two collectives; raises on every rank when one failed.
+        """
+        dist, rank = self.dist, self.dist.rank
+        error: BaseException | None = None
+        pending = None
+        try:
+            self.writer.wait()  # at most one in flight; raises the previous one's error
+            if dist.is_main:
+                pending = self.store.begin(step, buffers=self.buffers if asynchronous else None)
+        except BaseException as exc:  # tell the others before raising
+            error = exc
+        name = dist.broadcast(pending.dir.name if pending else None)
+        if dist.any(error is not None or name is None):
+            if pending is not None:
+                pending.abort()
+            if error is not None:
+                raise error
+            raise CheckpointError(f"rank {rank}: the checkpoint of step {step} could not start (another rank's "
+                                  "previous checkpoint failed to write; see its log)")
+        if pending is None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            pending = PendingCheckpoint(self.store, step, scratch=self.scratch, shared=self.store.root / name,
+                                        buffers=self.buffers if asynchronous else None)
+        return pending
+
+    def _seal_multi(self, pending: PendingCheckpoint, step: int, keep: int | None, asynchronous: bool,
+                    state: Callable[[], dict[str, Any]], block_metrics: dict[str, float], metrics: RunMetrics,
+                    log_breakdown: bool) -> None:
+        """A checkpoint with nothing left to write: rank 0 gathers the shards the ranks wrote in the block,
+        seals (in the background when ``asynchronous``) and tells the others."""
+        dist, rank = self.dist, self.dist.rank
+        shards = dist.gather(pending.shards())
+        sealed, error = None, None
         if not dist.is_main:
             pending.abort()  # the scratch folder: nothing in it is kept
         else:
-            if failed:
+            pending.metrics = {k: float(v) for k, v in block_metrics.items()}
+            try:
+                for r, files in enumerate(shards[1:], start=1):
+                    pending.add_shards(files, r)
+                pending.prepare(state())
+                if block_metrics:
+                    metrics.log(block_metrics, None, None, step)
+                self._seal(pending, keep, asynchronous, metrics if log_breakdown else None)
+                sealed = f"step-{step:09d}"
+            except BaseException as exc:
                 pending.abort()
-            else:
-                pending.metrics = {k: float(v) for k, v in writer.metrics.items()}
-                try:
-                    for r, files in enumerate(shards[1:], start=1):
-                        pending.add_shards(files, r)
-                    pending.prepare(state())
-                    if writer.metrics:
-                        metrics.log(writer.metrics, None, None, step)
-                    self._seal(pending, keep, asynchronous, metrics if log_breakdown else None)
-                    sealed = f"step-{step:09d}"
-                except BaseException as exc:
-                    pending.abort()
-                    error = exc
+                error = exc
         name = dist.broadcast(sealed)
         if error is not None:
             raise error
@@ -321,4 +375,57 @@ class RunCheckpoints:
                                   "(another rank failed writing its part; see its log)")
         if not dist.is_main and not asynchronous:
             self.latest = self.store.open(name)
-        self.last_step = step
+
+    def _sharded_job(self, pending: PendingCheckpoint, step: int, keep: int | None,
+                     state: Callable[[], dict[str, Any]], block_metrics: dict[str, float], metrics: RunMetrics,
+                     log_breakdown: bool) -> None:
+        """An asynchronous checkpoint whose sharded states were staged in the block: every rank's background
+        writer writes its shards (DCP, over the writer's own gloo group), reports them to rank 0, which seals
+        once every rank succeeded, and learns the outcome; the loop goes on meanwhile.
+
+        A rank whose write fails, or that learns rank 0 could not seal, fails at its next step (every rank: the
+        outcome is one broadcast). A kill of any rank before rank 0's rename leaves a partial directory,
+        never a checkpoint that counts.
+        """
+        dist, rank = self.dist, self.dist.rank
+        group = dist.background()  # made at the first such checkpoint, by every rank (a collective)
+        pending.close()  # later save_state calls no longer land here
+        seal = None
+        if dist.is_main:
+            pending.metrics = {k: float(v) for k, v in block_metrics.items()}
+            pending.prepare(state())
+            if block_metrics:
+                metrics.log(block_metrics, None, None, step)
+            if log_breakdown:  # with the points the seal makes durable (see _seal)
+                metrics.log_times(step, during_step=True)
+            seal = self._sealer(pending, keep)
+
+        def job() -> Checkpoint | None:
+            error: BaseException | None = None
+            try:
+                pending.write_deferred(group.group)
+            except BaseException as exc:  # still take part in the report, then raise
+                error = exc
+            failed = group.any(error is not None)
+            shards = None if failed else group.gather(pending.shards())
+            sealed = None
+            if seal is not None and not failed:
+                try:
+                    for r, files in enumerate(shards[1:], start=1):
+                        pending.add_shards(files, r)
+                    sealed = seal().path.name
+                except BaseException as exc:
+                    error = exc
+            name = group.broadcast(sealed)
+            if name is None or not dist.is_main:
+                pending.abort()  # rank 0's partial directory (not sealed), or a scratch folder
+            if error is not None:
+                raise error
+            if name is None:
+                raise CheckpointError(f"rank {rank}: the checkpoint of step {step} was not sealed (another rank "
+                                      "failed writing its part; see its log)")
+            if not dist.is_main:
+                self.latest = self.store.open(name)
+            return self.latest
+
+        self.writer.submit(self._in_background(job, step))

@@ -186,3 +186,22 @@ def test_a_plain_state_file_loads_into_the_sharded_model_or_names_the_tensor_and
     assert all("tensor '0.weight' has shape [6, 4] in the model and [8, 4]" in so + se for _, so, se in bad), \
         _text(bad)
     assert init.is_file()  # nothing deleted
+
+
+def test_a_sharded_save_state_on_rank_0_only_fails_on_every_rank_with_the_rule_and_leaves_no_checkpoint(tmp_path):
+    """A user's mistake: only rank 0 calls save_state of the sharded state in the (asynchronous) checkpoint
+    block. Every rank stops at that checkpoint with the rule named, at once (no collective timeout), and no
+    checkpoint of that step counts."""
+    from helpers.project import make_test_project
+
+    project = make_test_project(tmp_path / "project")
+    bad = launch(project, *FSDP, env={"GWL_TEST_SAVE_RANK": "0", "GWENLAKE_DIST_TIMEOUT_S": "300"}, timeout=600)
+    text = _text(bad)
+    assert all(rc == 1 for rc, _, _ in bad), text
+    assert all("save_state of a sharded state is a collective, every rank calls it" in so + se
+               for _, so, se in bad), text
+    # decided by the checkpoint's vote (this message), not by a collective's timeout
+    assert "rank 0 staged 1 sharded state(s) in the checkpoint of step 5, another rank staged 0" in text, text
+    assert "rank 1 staged 0 sharded state(s) in the checkpoint of step 5, another rank staged 1" in text, text
+    checkpoints = _run_dir(project) / "checkpoints"
+    assert not list(checkpoints.glob("step-*")), sorted(p.name for p in checkpoints.iterdir())

@@ -1,13 +1,13 @@
 """SIGKILL of rank 1 alone, at seeded random moments of a 2-rank FSDP2 training (issue 23), 20 trials.
 
 Job ``t`` with ``job.target=trainer.py:fit_fsdp`` (two linear layers under ``fully_shard``, gloo, a sharded
-``save_state`` every 2 steps here, asynchronous seal, ``keep=3``). The trainer's ``GWL_TEST_SIGKILL=k:phase[:n]``
+``save_state`` every 2 steps here, asynchronous checkpoints, ``keep=3``). The trainer's ``GWL_TEST_SIGKILL=k:phase[:n]``
 hook makes rank 1 SIGKILL itself at step ``k``, at one of the moments a sharded checkpoint goes through on that
-rank: during a training step (``step``), before its DCP write (``before_write``), after ``n`` bytes of its
-shard file (``mid_write``: a torn ``__1_0.distcp`` left in the partial folder), after its shard is written and
-hashed but before the digests are gathered (``after_write``), and after the gather while rank 0 seals
-(``after_gather``). Each phase is drawn 4 times, the steps at random (seed ``GWL_KILL_SEED``, default 23; the
-plan of every trial is printed).
+rank: during a training step (``step``), in the checkpoint block before its ``save_state`` (``before_write``)
+and after it, its shards staged in host memory (``after_write``), then in its background writer's thread after
+``n`` bytes of its shard file (``mid_write``: a torn ``__1_0.distcp`` left in the partial folder) and after the
+digests are gathered to rank 0, while rank 0 seals (``after_gather``). Each phase is drawn 4 times, the steps
+at random (seed ``GWL_KILL_SEED``, default 23; the plan of every trial is printed).
 
 After each kill rank 0 must exit on its own (the connection to rank 1 closes; the wait is bounded here), and
 the next launch of the same run must resume from the newest sealed ``step-N`` folder found before it, whose

@@ -269,12 +269,14 @@ class _SigkillPlan:
 
     Phases, in the order a sharded checkpoint goes through them on that rank:
       step          during step k, after the optimizer step, outside any checkpoint block;
-      before_write  inside the checkpoint block of step k, before its save_state (the DCP write);
+      before_write  inside the checkpoint block of step k, before its save_state;
+      after_write   save_state returned, still inside the block (an asynchronous checkpoint, the default: the
+                    shards only staged in host memory; a synchronous one: written, fsynced, hashed, recorded);
       mid_write     after n bytes (default 1) of its shard file ``__<rank>_0.distcp`` reached the file (DCP's
-                    FileSystem streams are wrapped; if the shard is shorter, at the end of its write);
-      after_write   save_state returned (the shard written, fsynced, hashed and recorded), before the Run
-                    gathers the digests to rank 0;
-      after_gather  just after the gather of the digests, before rank 0's seal is confirmed (rank 0 seals).
+                    FileSystem streams are wrapped; if the shard is shorter, at the end of its write): in the
+                    background writer's thread, while the loop goes on (asynchronous), or in the block;
+      after_gather  just after the gather of the digests to rank 0, before rank 0's seal is confirmed (rank 0
+                    seals): in the background writer's thread too (asynchronous).
     mid_write and after_gather patch a torch / gwenlake_hpc function in this process only (a test hook)."""
 
     PHASES = ("step", "before_write", "mid_write", "after_write", "after_gather")
@@ -344,7 +346,7 @@ def fit_fsdp(data, output, run, config: Params):
     torch.save the full state right after each checkpoint (``saved-<step>.pt``) and right after the resume's
     load_state (``loaded-<step>-world-<n>.pt``); GWL_TEST_INIT_FROM=file loads a plain save_state file into the
     sharded model first (dumped as ``init.pt``); GWL_TEST_SIGKILL=k:phase[:n] SIGKILLs one rank at a moment of
-    step k (see :class:`_SigkillPlan`).
+    step k (see :class:`_SigkillPlan`); GWL_TEST_SAVE_RANK=r: only rank r calls save_state (a user's mistake).
     """
     torch.manual_seed(1234)  # the same initial weights on every rank and world size
     model = nn.Sequential(nn.Linear(4, config.hidden), nn.ReLU(), nn.Linear(config.hidden, 1))
@@ -388,7 +390,8 @@ def fit_fsdp(data, output, run, config: Params):
         if run.at_eval:
             with run.checkpoint(keep=3) as ck:
                 kill.at(step, "before_write")
-                save_state(ck.path("state.safetensors"), model=model, optimizer=opt, extra={"step": step})
+                if os.environ.get("GWL_TEST_SAVE_RANK", str(run.rank)) == str(run.rank):
+                    save_state(ck.path("state.safetensors"), model=model, optimizer=opt, extra={"step": step})
                 kill.at(step, "after_write")
             if dump is not None:
                 full = _full_state(model, opt)

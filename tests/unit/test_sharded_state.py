@@ -94,6 +94,8 @@ def test_each_shard_file_is_hashed_once_however_many_tensors_it_holds(tmp_path, 
     monkeypatch.setattr(sharded, "file_digest", lambda p, *a: calls.append(Path(p).name) or real(p, *a))
 
     class Recorder:
+        asynchronous = False  # written in the block, as a synchronous checkpoint does
+
         def __init__(self):
             self.shards = {}
 
@@ -108,3 +110,56 @@ def test_each_shard_file_is_hashed_once_however_many_tensors_it_holds(tmp_path, 
     sharded.save_sharded(tmp_path / "state", model=model, optimizer=None, doc={}, tensors={}, pending=rec)
     assert sorted(calls) == sorted(set(calls)) and sorted(rec.shards) == sorted(calls), calls
     assert "__0_0.distcp" in calls and ".metadata" in calls
+
+
+def test_an_asynchronous_checkpoint_stages_the_state_and_writes_what_it_was_at_the_block(tmp_path):
+    """Asynchronous: save_sharded only starts a host copy (nothing written yet); the optimizer step right after
+    it changes the model; the sealed folder holds the state as it was at save_sharded."""
+    from gwenlake_hpc.stores.checkpoints import BufferPool
+
+    model, opt = _trained()
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    store = CheckpointStore(tmp_path / "checkpoints", "key")
+    pool = BufferPool()
+    pending = store.begin(10, buffers=pool)
+    path = save_sharded(pending.dir / "state.safetensors", model=model, optimizer=opt, doc={}, tensors={},
+                        pending=pending)
+    assert pending.deferred == 1 and not path.exists()  # staged only: the write is the seal's
+    model(torch.randn(5, 8)).sum().backward()
+    opt.step()  # waits for the copy (the guard), then changes every weight
+    assert not torch.equal(model.state_dict()["0.weight"], at_save["0.weight"])
+    ck = pending.commit({"step": 10})
+    assert is_dcp_folder(ck.path / "state.safetensors") and pending.deferred == 0
+    fresh, fresh_opt = _trained(seed=5)
+    load_state(ck.path / "state.safetensors", model=fresh, optimizer=fresh_opt)
+    for k, v in at_save.items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    pool.close()
+
+
+def test_an_optimizer_step_waits_for_the_staging_copy_in_flight():
+    """The guard: while a staging copy runs (held here by a value whose copy waits for an event), any optimizer's
+    step() waits; it goes on once the copy is done."""
+    import threading
+
+    from gwenlake_hpc.stores.checkpoints import BufferPool
+
+    release = threading.Event()
+
+    class Slow:
+        def __deepcopy__(self, memo):
+            release.wait(30)
+            return Slow()
+
+    pool = BufferPool()
+    model, opt = _trained()
+    future = pool.stage({"w": model[0].weight, "slow": Slow()})
+    model(torch.randn(5, 8)).sum().backward()
+    stepped = threading.Event()
+    stepper = threading.Thread(target=lambda: (opt.step(), stepped.set()))
+    stepper.start()
+    assert not stepped.wait(0.5)  # held by the copy in flight
+    release.set()
+    assert stepped.wait(30) and future.done()
+    stepper.join()
+    pool.close()

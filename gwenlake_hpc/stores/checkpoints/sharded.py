@@ -4,8 +4,8 @@ Responsibilities:
 
 - say whether a state holds DTensors (:func:`holds_dtensors`) and whether a path is a DCP folder
   (:func:`is_dcp_folder`): ``save_state``/``load_state`` (:mod:`.state`) dispatch on them;
-- write a sharded state (:func:`save_sharded`): every rank writes its own shards in parallel with DCP's
-  planners and ``FileSystemWriter`` (``sync_files=True``: each file fsynced), into one DCP folder
+- write a sharded state (:func:`save_sharded`, :func:`write_dcp`): every rank writes its own shards in
+  parallel with DCP's planners and ``FileSystemWriter`` (``sync_files=True``: each file fsynced), into one DCP folder
   (``.metadata`` + ``__<rank>_<n>.distcp``) at the same path of the one partial checkpoint; replicated tensors
   are written once (DCP's de-duplication of save plans). Each rank then hashes the files it wrote (XXH3-128)
   and records them in its :class:`~.store.PendingCheckpoint`; the Run gathers the records to rank 0, which
@@ -22,11 +22,13 @@ optimizer's, keyed by parameter name, as ``get_state_dict`` gives it), ``gwenlak
 structure of the scheduler and extra values, as in a safetensors state file) and ``gwenlake.t.<name>`` (their
 tensors). Any DCP tool (``dcp_to_torch_save``, ``dcp.load``) reads it.
 
-Not done here yet: an asynchronous checkpoint writes a sharded state synchronously inside the ``with
-run.checkpoint()`` block (the loop waits for the write and the hashing; only the seal is in the background),
-and the collectives of the write and the read run on the default process group, in the training's thread.
-``save_state``/``load_state`` of a sharded state are collectives: every rank must call them, in the same
-order. Imports no runtime, no job.
+Asynchronous checkpoints (the default): ``save_state`` inside the block only starts the staging of the state
+(each rank's shards copied, in DCP's staging thread, into host memory reused from one checkpoint to the next:
+:meth:`PendingCheckpoint.stage`; the next optimizer ``step()`` waits for the copy); each rank's background
+writer then runs :func:`write_dcp` on a gloo process group of its own, so the loop goes on during the copy,
+the write, the hashing and the seal. ``save_state``/``load_state`` of a sharded state are collectives:
+every rank calls them, in the same order (a checkpoint in which the ranks staged different numbers of sharded
+states is refused on every rank). Imports no runtime, no job.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any, Mapping
 import torch
 
 from ...base.errors import CheckpointError, DamagedFileError, StateMismatchError
+from .buffers import wait_for_staging
 from .digest import file_digest
 from .store import PendingCheckpoint, manifest_entry
 
@@ -71,12 +74,6 @@ def is_dcp_folder(path: str | os.PathLike) -> bool:
     return p.is_dir() and (p / METADATA).is_file()
 
 
-def _coordinator() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 @contextlib.contextmanager
 def _single_process_quiet():
     """Without a process group DCP warns that it assumes one process: that is what is meant here."""
@@ -103,10 +100,33 @@ def _writer_class() -> type:
     return RecordingWriter
 
 
+def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  doc: Mapping[str, Any] | None = None,
+                  tensors: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """The state dict :func:`save_sharded` gives DCP: ``model`` and ``optim`` from ``get_state_dict`` (DTensors
+    as they are, no copy, no collective), the other parts' document and tensors (see the module's docstring)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is not None:
+        msd, osd = get_state_dict(model, optimizer)
+        state: dict[str, Any] = {"model": msd, "optim": osd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    state[_DOC] = json.dumps(dict(doc or {}))
+    state.update({_TENSOR + name: t for name, t in (tensors or {}).items()})
+    return state
+
+
 def save_sharded(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  doc: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
                  pending: PendingCheckpoint | None) -> Path:
     """Write a sharded state as a DCP folder at ``path`` (a collective: every rank calls it).
+
+    In an asynchronous checkpoint (``pending.asynchronous``) nothing is written here: a copy of the state into
+    the run's reused host memory starts (:meth:`PendingCheckpoint.stage`: DCP's ``DefaultStager`` in its
+    staging thread, pinned memory and non-blocking copies on CUDA; the next optimizer step waits for it) and
+    the write is left to the checkpoint's background writer (:meth:`PendingCheckpoint.write_deferred`), which
+    every rank runs on a process group of its own.
 
     Args:
         path: the folder (conventionally ``state.safetensors`` inside the checkpoint; a rank other than 0 of a
@@ -119,35 +139,52 @@ def save_sharded(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.O
             outside a checkpoint.
 
     Returns:
-        The folder written (on ranks other than 0, in the shared checkpoint directory).
+        The folder written, or to be written (on ranks other than 0, in the shared checkpoint directory).
 
     Raises:
         CheckpointError: no model given.
         torch.distributed.checkpoint.api.CheckpointException: a rank failed writing (raised on every rank).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
     if model is None:
         raise CheckpointError(f"{path}: a sharded state needs the model (save_state(..., model=m, optimizer=opt))")
     target = pending.sharded_target(path) if pending is not None else Path(path)
-    if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
-        state: dict[str, Any] = {"model": msd, "optim": osd}
-    else:
-        state = {"model": get_model_state_dict(model)}
-    state[_DOC] = json.dumps(doc)
-    state.update({_TENSOR + name: t for name, t in tensors.items()})
+    state = sharded_state(model, optimizer, doc, tensors)
+    if pending is not None and pending.asynchronous:
+        staged = pending.stage(state)  # a Future: the copy runs while the loop goes on
+        pending.defer(lambda group: write_dcp(target, staged.result(), pending, group))
+        return target
+    write_dcp(target, state, pending, None)
+    return target
+
+
+def write_dcp(target: Path, state: Mapping[str, Any], pending: PendingCheckpoint | None, group: Any) -> None:
+    """Write ``state`` (:func:`sharded_state`, staged or live) as the DCP folder ``target`` with DCP's planners
+    and ``FileSystemWriter`` (each file fsynced), then hash the files this rank wrote and record them in
+    ``pending`` (None: outside a checkpoint, nothing recorded).
+
+    ``group``: the process group of DCP's collectives (the background writer's own); None: the default group,
+    or none at all in a single process. A collective over that group: every rank calls it.
+
+    Raises:
+        torch.distributed.checkpoint.api.CheckpointException: a rank failed writing (raised on every rank).
+        OSError: hashing a written file failed.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
     writer = _writer_class()(target)
-    with _single_process_quiet():
-        dcp.save(state, storage_writer=writer, no_dist=not torch.distributed.is_initialized())
+    if dist.is_initialized() and (group is not None or dist.get_world_size() > 1):
+        dcp.save(dict(state), storage_writer=writer, process_group=group)
+    else:
+        with _single_process_quiet():
+            dcp.save(dict(state), storage_writer=writer, no_dist=True)
     if pending is not None:
         # one file a rank holds many write results: each file hashed once (dict keeps their order)
-        names = list(dict.fromkeys(writer.written)) + ([METADATA] if _coordinator() else [])
+        coordinator = not dist.is_initialized() or dist.get_rank(group) == 0
+        names = list(dict.fromkeys(writer.written)) + ([METADATA] if coordinator else [])
         for rel in names:
             p = target / rel
             pending.record_shard(p, p.stat().st_size, file_digest(p))
-    return target
 
 
 def _reader_class() -> type:
@@ -238,6 +275,7 @@ def load_sharded(path: Path, *, model: torch.nn.Module | None, optimizer: torch.
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                          set_model_state_dict, set_state_dict)
 
+    wait_for_staging()  # the model is about to change: a checkpoint's copy of it must be complete
     reader = _reader_class()(path)
     metadata = reader.read_metadata()  # verified first: every rank checks the same file
     saved = metadata.state_dict_metadata

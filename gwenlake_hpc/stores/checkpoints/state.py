@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ...base.errors import CheckpointError, StateMismatchError
-from .sharded import holds_dtensors, is_dcp_folder, load_sharded, save_sharded
+from .sharded import holds_dtensors, is_dcp_folder, load_sharded, save_sharded, sharded_state
 from .statedoc import FORMAT, META_KEY, state_metadata
 from .store import check_format, manifest_entry, open_checkpoint_of, writer_version
 from .tensorfile import read_tensors, write_tensors
@@ -59,8 +59,8 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
 
     Sharded states: when the model's or the optimizer's state dict holds DTensors (FSDP2, tensor parallelism),
     inside ``run.checkpoint()`` ``path`` becomes a folder in torch.distributed.checkpoint's format written by
-    every rank (a collective: call it on every rank), synchronously even in an asynchronous checkpoint; see
-    :mod:`.sharded`. A sharded model alone outside a checkpoint (``save_state(output.file("model.safetensors"),
+    every rank (call it on every rank, in the same order); in an asynchronous checkpoint each rank only copies
+    its shards into reused host memory here, and writes them in the background; see :mod:`.sharded`. A sharded model alone outside a checkpoint (``save_state(output.file("model.safetensors"),
     model=m)`` at the end) is written as one full safetensors file by rank 0, tensor by tensor, never the
     whole model in one rank's memory (:func:`.consolidate.write_full_model`; every rank calls it).
 
@@ -89,8 +89,7 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
 
             return write_full_model(path, model)
         # FSDP2 / DTensor: every rank writes its shards into a DCP folder at ``path`` (see .sharded).
-        others = {k: v for k, v in parts.items() if k not in ("model", "optimizer")}
-        doc = {"format": 1, "writer": writer_version(), "structure": _encode(others, "", tensors)}
+        doc = _sharded_doc(parts, tensors)
         return save_sharded(Path(path), model=model, optimizer=optimizer, doc=doc, tensors=tensors,
                             pending=open_checkpoint_of(path))
     tensors, meta = _plain_file(parts)
@@ -100,6 +99,35 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
         return pending.put_tensors(path, tensors, meta)
     write_tensors(path, tensors, meta)
     return path
+
+
+def _sharded_doc(parts: Mapping[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The JSON document of a sharded state's parts other than model and optimizer (their tensors into
+    ``tensors``)."""
+    others = {k: v for k, v in parts.items() if k not in ("model", "optimizer")}
+    return {"format": 1, "writer": writer_version(), "structure": _encode(others, "", tensors)}
+
+
+def sharded_staging_state(*, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                          scheduler: Any = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """The state dict a ``save_state`` of these parts would stage in an asynchronous checkpoint when they are
+    sharded (:func:`.sharded.sharded_state`: views of the live tensors, nothing copied), or None for a plain
+    state. What ``run.prepare_checkpoint`` makes the host copies of, ahead of the first checkpoint.
+
+    Raises:
+        CheckpointError: as :func:`save_state`.
+    """
+    parts: dict[str, Any] = {}
+    for name, part in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
+        if part is not None:
+            parts[name] = part.state_dict()
+    if extra is not None:
+        parts["extra"] = dict(extra)
+    if model is None or not (holds_dtensors(parts.get("model")) or holds_dtensors(parts.get("optimizer"))):
+        return None
+    tensors: dict[str, torch.Tensor] = {}
+    doc = _sharded_doc(parts, tensors)
+    return sharded_state(model, optimizer, doc, tensors)
 
 
 def state_file_size(*, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,

@@ -41,7 +41,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ...base.errors import CheckpointError, CheckpointFormatError, ConfigError
 from ...base.fsutil import atomic_file, fsync_dir
@@ -174,6 +174,8 @@ class PendingCheckpoint:
         self._shards: dict[str, dict[str, Any]] = {}
         self._shared = Path(shared) if shared is not None else None
         self._snapshots: list[tuple[Path, Snapshot]] = []
+        #: writes of staged sharded states left to the background writer (see :meth:`defer`)
+        self._deferred: list[Callable[[Any], None]] = []
         self._buffers = buffers
         self._registered: Path | None = None
         self._closed = False
@@ -256,6 +258,35 @@ class PendingCheckpoint:
             raise CheckpointError(f"{path}: this rank's checkpoint has no shared directory to write shards into")
         return self._shared / Path(path).absolute().relative_to(self.dir.absolute())
 
+    def stage(self, state: Mapping[str, Any]) -> Any:
+        """Start a copy of the sharded state dict ``state`` into this checkpoint's reused host memory (an
+        asynchronous checkpoint's; see :meth:`BufferPool.stage`); returns its Future. The training goes on at
+        once: the next optimizer step waits for the copy."""
+        if self._buffers is None:
+            raise CheckpointError(f"the checkpoint of step {self.step} is synchronous: nothing is staged")
+        return self._buffers.stage(state)
+
+    def defer(self, write: Callable[[Any], None]) -> None:
+        """Leave ``write(group)`` (the write of a staged sharded state, a collective over process group
+        ``group``) to :meth:`write_deferred`, which the background writer runs after the block."""
+        self._deferred.append(write)
+
+    @property
+    def deferred(self) -> int:
+        """How many writes left by :meth:`defer` have not run."""
+        return len(self._deferred)
+
+    def write_deferred(self, group: Any = None) -> None:
+        """Run the writes left by :meth:`defer`, in order, with DCP's collectives over ``group`` (None: the
+        default group, or none in a single process). Each records its files (:meth:`record_shard`).
+
+        Raises:
+            whatever a write raises (DCP's ``CheckpointException`` on every rank when one rank failed).
+        """
+        writes, self._deferred = self._deferred, []
+        for write in writes:
+            write(group)
+
     def record_shard(self, path: Path, size: int, digest: str) -> None:
         """Record a file of a sharded state this rank wrote, fsynced and hashed (``path`` inside the checkpoint's
         real directory): in the manifest it is ``verify: on_load``; rank 0 learns those of the other ranks by
@@ -283,6 +314,11 @@ class PendingCheckpoint:
                 raise CheckpointError(f"rank {rank} reported {rel} ({entry['size']} bytes) in the checkpoint of "
                                       f"step {self.step}, but {p} is not there with that size")
             self._recorded[rel] = dict(entry)
+
+    def close(self) -> None:
+        """End of the ``with`` block on a rank that writes no Run state here: later ``save_state`` calls no
+        longer land in this checkpoint (:meth:`prepare` does it too)."""
+        self._unregister()
 
     def _unregister(self) -> None:
         self._closed = True
@@ -316,6 +352,7 @@ class PendingCheckpoint:
             raise
 
     def _seal(self) -> Checkpoint:
+        self.write_deferred()  # a single process's staged sharded states (a multi-rank run wrote them already)
         for path, snap in self._snapshots:
             size, digest = snap.write(path)
             self._recorded[path.absolute().relative_to(self.dir.absolute()).as_posix()] = {
@@ -377,6 +414,7 @@ class PendingCheckpoint:
         """Remove the partial directory (after an exception inside the ``with`` block, or a failed seal)."""
         self._unregister()
         self._snapshots = []
+        self._deferred = []
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
