@@ -469,8 +469,9 @@ class Run:
         its first ``step()``), or at once when that step is done; pinned memory when the training uses CUDA.
         Without it, a resumed run sizes the buffers by the checkpoint it resumed from, and a fresh run's first
         checkpoint allocates its buffer inside its block; later checkpoints reuse the buffers (they grow only
-        when the state grows). Nothing happens on ranks other than 0, for a synchronous run or a sharded state
-        (written by DCP, not snapshotted).
+        when the state grows). A sharded state (FSDP2, DTensor): every rank makes the host copies of its shards
+        ahead (DCP's stager, in its staging thread). Plain states: nothing happens on ranks other than 0 (their
+        files are discarded); nothing for a synchronous run.
         """
         parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "extra": extra}
         if self.checkpoint_async:

@@ -71,17 +71,19 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
         CheckpointError: a value is neither a tensor nor JSON-able (the message names its path).
     """
     parts: dict[str, Any] = {}
+    # A sharded model's state (and its optimizer's) is read once, by get_state_dict in save_sharded, not here.
+    sharded = model is not None and holds_dtensors([*model.parameters(), *model.buffers()])
     if model is not None:
-        parts["model"] = model.state_dict()
+        parts["model"] = None if sharded else model.state_dict()
     if optimizer is not None:
-        parts["optimizer"] = optimizer.state_dict()
+        parts["optimizer"] = None if sharded else optimizer.state_dict()
     if scheduler is not None:
         parts["scheduler"] = scheduler.state_dict()
     if extra is not None:
         parts["extra"] = dict(extra)
 
     tensors: dict[str, torch.Tensor] = {}
-    if holds_dtensors(parts.get("model")) or holds_dtensors(parts.get("optimizer")):
+    if sharded or holds_dtensors(parts.get("model")) or holds_dtensors(parts.get("optimizer")):
         if list(parts) == ["model"] and open_checkpoint_of(path) is None:
             # A sharded model's file outside a checkpoint (the version's ``output.file``): one full safetensors
             # file, gathered tensor by tensor and written by rank 0, that any safetensors reader opens.
