@@ -360,6 +360,7 @@ def fit_fsdp(data, output, run, config: Params):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    run.prepare_checkpoint(model=model, optimizer=opt)  # each rank's staging copies made after the first step
     dump = Path(os.environ["GWL_TEST_DUMP"]) if os.environ.get("GWL_TEST_DUMP") else None
     if os.environ.get("GWL_TEST_INIT_FROM"):  # a plain save_state file into the sharded model
         load_state(os.environ["GWL_TEST_INIT_FROM"], model=model)
