@@ -110,6 +110,17 @@ def _sharded_doc(parts: Mapping[str, Any], tensors: dict[str, torch.Tensor]) -> 
     return {"format": 1, "writer": writer_version(), "structure": _encode(others, "", tensors)}
 
 
+def _parts(model: Any, optimizer: Any, scheduler: Any, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Part name -> its state dict (``extra`` as a dict), for the parts given."""
+    parts: dict[str, Any] = {}
+    for name, part in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
+        if part is not None:
+            parts[name] = part.state_dict()
+    if extra is not None:
+        parts["extra"] = dict(extra)
+    return parts
+
+
 def sharded_staging_state(*, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                           scheduler: Any = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """The state dict a ``save_state`` of these parts would stage in an asynchronous checkpoint when they are
@@ -119,12 +130,7 @@ def sharded_staging_state(*, model: torch.nn.Module | None = None, optimizer: to
     Raises:
         CheckpointError: as :func:`save_state`.
     """
-    parts: dict[str, Any] = {}
-    for name, part in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
-        if part is not None:
-            parts[name] = part.state_dict()
-    if extra is not None:
-        parts["extra"] = dict(extra)
+    parts = _parts(model, optimizer, scheduler, extra)
     if model is None or not (holds_dtensors(parts.get("model")) or holds_dtensors(parts.get("optimizer"))):
         return None
     tensors: dict[str, torch.Tensor] = {}
@@ -140,12 +146,7 @@ def state_file_size(*, model: torch.nn.Module | None = None, optimizer: torch.op
     Raises:
         CheckpointError: as :func:`save_state`.
     """
-    parts: dict[str, Any] = {}
-    for name, part in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
-        if part is not None:
-            parts[name] = part.state_dict()
-    if extra is not None:
-        parts["extra"] = dict(extra)
+    parts = _parts(model, optimizer, scheduler, extra)
     if holds_dtensors(parts.get("model")) or holds_dtensors(parts.get("optimizer")):
         return None
     from .tensorfile import layout
