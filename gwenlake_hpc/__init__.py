@@ -25,6 +25,7 @@ _EXPORTS = {
     "current_run": ".runtime.current", "checkpoint": ".runtime.current",
     "last_checkpoint_path": ".runtime.current", "log_rollout": ".runtime.current",
     "load_state": ".stores.checkpoints.state", "save_state": ".stores.checkpoints.state",
+    "wait_for_staging": ".stores.checkpoints.buffers",
     "log_custom_metric": ".stores.tracking.custom_metrics",
 }
 

@@ -29,6 +29,7 @@ import logging
 import shutil
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -297,14 +298,19 @@ class RunCheckpoints:
                 target.write_text(json.dumps(mine, sort_keys=True))
         except BaseException as exc:  # still take part in the vote, then re-raise
             error = exc
-        # One vote: did a rank fail, and how many sharded writes did each leave to the background writer?
+        # One vote: did a rank fail, how many sharded writes did each leave to the background writer, and did
+        # every rank's sharded save_state calls go to the same paths with the same parts?
         deferred = pending.deferred if error is None else 0
-        failed, most, least = dist.maxima([error is not None, deferred, -deferred])
-        if not failed and most != -least:
+        calls = "\n".join(pending.sharded_calls)
+        sign = zlib.crc32(calls.encode())
+        failed, most, least, high, low = dist.maxima([error is not None, deferred, -deferred, sign, -sign])
+        if not failed and (most != -least or high != -low):
+            what = (f"staged {deferred} sharded state(s)" if most != -least else
+                    f"saved its sharded state(s) as {calls or 'nothing'}")
+            other = (f"staged {most if deferred != most else -least}" if most != -least else "did otherwise")
             error = CheckpointError(
-                f"rank {rank} staged {deferred} sharded state(s) in the checkpoint of step {step}, another rank "
-                f"staged {most if deferred != most else -least}: save_state of a sharded state is a collective, "
-                "every rank calls it with the same parts")
+                f"rank {rank} {what} in the checkpoint of step {step}, another rank {other}: save_state of a "
+                "sharded state is a collective, every rank calls it with the same path and parts")
             failed = True
         if failed:
             pending.abort()
@@ -403,9 +409,14 @@ class RunCheckpoints:
         def job() -> Checkpoint | None:
             error: BaseException | None = None
             try:
-                pending.write_deferred(group.group)
-            except BaseException as exc:  # still take part in the report, then raise
+                pending.wait_staged()
+            except BaseException as exc:  # a failed copy: no rank enters DCP's collectives
                 error = exc
+            if not group.any(error is not None):
+                try:
+                    pending.write_deferred(group.group)  # DCP's collectives; its errors reach every rank
+                except BaseException as exc:  # still take part in the report, then raise
+                    error = exc
             failed = group.any(error is not None)
             shards = None if failed else group.gather(pending.shards())
             sealed = None

@@ -205,3 +205,20 @@ def test_a_sharded_save_state_on_rank_0_only_fails_on_every_rank_with_the_rule_a
     assert "rank 1 staged 0 sharded state(s) in the checkpoint of step 5, another rank staged 1" in text, text
     checkpoints = _run_dir(project) / "checkpoints"
     assert not list(checkpoints.glob("step-*")), sorted(p.name for p in checkpoints.iterdir())
+
+
+def test_sharded_states_saved_under_another_name_on_rank_1_fail_on_every_rank_and_leave_no_checkpoint(tmp_path):
+    """A user's mistake reported by the adversarial pass: rank 1 saves its shards as ``other.safetensors``, rank 0
+    as ``state.safetensors``; the checkpoint was sealed with rank 1's shard outside rank 0's DCP folder, and every
+    resume then failed. Now the vote at the end of the block refuses it on every rank."""
+    from helpers.project import make_test_project
+
+    project = make_test_project(tmp_path / "project")
+    bad = launch(project, *FSDP, env={"GWL_TEST_PATH_RANK1": "other.safetensors"}, timeout=600)
+    text = _text(bad)
+    assert all(rc == 1 for rc, _, _ in bad), text
+    assert "rank 1 saved its sharded state(s) as other.safetensors (model, optim) in the checkpoint of step 5, " \
+        "another rank did otherwise" in text, text
+    assert all("every rank calls it with the same path and parts" in so + se for _, so, se in bad), text
+    checkpoints = _run_dir(project) / "checkpoints"
+    assert not list(checkpoints.glob("step-*")), sorted(p.name for p in checkpoints.iterdir())

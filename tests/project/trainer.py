@@ -346,7 +346,8 @@ def fit_fsdp(data, output, run, config: Params):
     torch.save the full state right after each checkpoint (``saved-<step>.pt``) and right after the resume's
     load_state (``loaded-<step>-world-<n>.pt``); GWL_TEST_INIT_FROM=file loads a plain save_state file into the
     sharded model first (dumped as ``init.pt``); GWL_TEST_SIGKILL=k:phase[:n] SIGKILLs one rank at a moment of
-    step k (see :class:`_SigkillPlan`); GWL_TEST_SAVE_RANK=r: only rank r calls save_state (a user's mistake).
+    step k (see :class:`_SigkillPlan`); GWL_TEST_SAVE_RANK=r: only rank r calls save_state, GWL_TEST_PATH_RANK1=name: rank 1 saves
+    under another name (users' mistakes).
     """
     torch.manual_seed(1234)  # the same initial weights on every rank and world size
     model = nn.Sequential(nn.Linear(4, config.hidden), nn.ReLU(), nn.Linear(config.hidden, 1))
@@ -391,8 +392,10 @@ def fit_fsdp(data, output, run, config: Params):
         if run.at_eval:
             with run.checkpoint(keep=3) as ck:
                 kill.at(step, "before_write")
+                name = os.environ.get("GWL_TEST_PATH_RANK1", "state.safetensors") if run.rank == 1 else \
+                    "state.safetensors"
                 if os.environ.get("GWL_TEST_SAVE_RANK", str(run.rank)) == str(run.rank):
-                    save_state(ck.path("state.safetensors"), model=model, optimizer=opt, extra={"step": step})
+                    save_state(ck.path(name), model=model, optimizer=opt, extra={"step": step})
                 kill.at(step, "after_write")
             if dump is not None:
                 full = _full_state(model, opt)

@@ -98,6 +98,11 @@ def test_each_shard_file_is_hashed_once_however_many_tensors_it_holds(tmp_path, 
 
         def __init__(self):
             self.shards = {}
+            self.dir = tmp_path
+            self.calls = []
+
+        def note_sharded(self, signature):
+            self.calls.append(signature)
 
         def sharded_target(self, path):
             return Path(path)
@@ -110,6 +115,7 @@ def test_each_shard_file_is_hashed_once_however_many_tensors_it_holds(tmp_path, 
     sharded.save_sharded(tmp_path / "state", model=model, optimizer=None, doc={}, tensors={}, pending=rec)
     assert sorted(calls) == sorted(set(calls)) and sorted(rec.shards) == sorted(calls), calls
     assert "__0_0.distcp" in calls and ".metadata" in calls
+    assert rec.calls == ["state (model)"]  # what the Run's vote compares across ranks
 
 
 def test_an_asynchronous_checkpoint_stages_the_state_and_writes_what_it_was_at_the_block(tmp_path):

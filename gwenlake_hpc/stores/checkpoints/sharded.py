@@ -149,9 +149,12 @@ def save_sharded(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.O
         raise CheckpointError(f"{path}: a sharded state needs the model (save_state(..., model=m, optimizer=opt))")
     target = pending.sharded_target(path) if pending is not None else Path(path)
     state = sharded_state(model, optimizer, doc, tensors)
+    if pending is not None:
+        rel = Path(path).absolute().relative_to(pending.dir.absolute()).as_posix()
+        pending.note_sharded(f"{rel} ({', '.join(k for k in ('model', 'optim') if k in state)})")
     if pending is not None and pending.asynchronous:
         staged = pending.stage(state)  # a Future: the copy runs while the loop goes on
-        pending.defer(lambda group: write_dcp(target, staged.result(), pending, group))
+        pending.defer(lambda group: write_dcp(target, staged.result(), pending, group), staged)
         return target
     write_dcp(target, state, pending, None)
     return target

@@ -176,6 +176,9 @@ class PendingCheckpoint:
         self._snapshots: list[tuple[Path, Snapshot]] = []
         #: writes of staged sharded states left to the background writer (see :meth:`defer`)
         self._deferred: list[Callable[[Any], None]] = []
+        self._staged: list[Any] = []  # their staging copies' Futures
+        #: one signature (path in the checkpoint, parts) per sharded save_state of this rank, in order
+        self.sharded_calls: list[str] = []
         self._buffers = buffers
         self._registered: Path | None = None
         self._closed = False
@@ -266,10 +269,27 @@ class PendingCheckpoint:
             raise CheckpointError(f"the checkpoint of step {self.step} is synchronous: nothing is staged")
         return self._buffers.stage(state)
 
-    def defer(self, write: Callable[[Any], None]) -> None:
+    def defer(self, write: Callable[[Any], None], staged: Any = None) -> None:
         """Leave ``write(group)`` (the write of a staged sharded state, a collective over process group
-        ``group``) to :meth:`write_deferred`, which the background writer runs after the block."""
+        ``group``) to :meth:`write_deferred`, which the background writer runs after the block; ``staged``: the
+        Future of its staging copy, which :meth:`wait_staged` waits for."""
         self._deferred.append(write)
+        if staged is not None:
+            self._staged.append(staged)
+
+    def note_sharded(self, signature: str) -> None:
+        """Record one sharded ``save_state`` of this rank (its path in the checkpoint and parts): the ranks'
+        lists must be equal (compared by the Run's vote at the end of the block)."""
+        self.sharded_calls.append(signature)
+
+    def wait_staged(self) -> None:
+        """Wait for the staging copies of the deferred writes.
+
+        Raises:
+            the first failed copy's error (out of host memory...).
+        """
+        for future in self._staged:
+            future.result()
 
     @property
     def deferred(self) -> int:
@@ -283,7 +303,8 @@ class PendingCheckpoint:
         Raises:
             whatever a write raises (DCP's ``CheckpointException`` on every rank when one rank failed).
         """
-        writes, self._deferred = self._deferred, []
+        self.wait_staged()
+        writes, self._deferred, self._staged = self._deferred, [], []
         for write in writes:
             write(group)
 
@@ -414,7 +435,7 @@ class PendingCheckpoint:
         """Remove the partial directory (after an exception inside the ``with`` block, or a failed seal)."""
         self._unregister()
         self._snapshots = []
-        self._deferred = []
+        self._deferred, self._staged = [], []
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
