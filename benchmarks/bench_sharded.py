@@ -24,7 +24,10 @@ side in one run, per rank (each rank's figure on its own line, ``_rank0`` / ``_r
   rank's are durable); ``load_state`` of the sealed checkpoint (verify + load) on the 2 ranks and on 1 process (a
   child process without a process group, into an unsharded model: DCP reshards), each against ``dcp.load`` of the
   same folder in the same conditions; and the extra peak RSS during our checkpoints (the first included) over the
-  rank's shard bytes. Before each peak-RSS figure freed heap memory is given back (``malloc_trim``), so that a
+  rank's shard bytes; beside ``dcp.load``, what restoring the model and optimizer takes with DCP alone
+  (``get_state_dict`` -> ``dcp.load`` -> ``set_state_dict``, as torchtitan's Stateful wrappers do: ``dcp.load``
+  alone leaves the optimizer's param groups unrestored), and both on 2 ranks from the disk (the folder evicted
+  from the page cache before each: ``posix_fadvise``), as a resume on another node reads it. Before each peak-RSS figure freed heap memory is given back (``malloc_trim``), so that a
   reused allocation cannot hide a peak.
 
 Prints one ``name value`` line per figure (seconds, bytes or ratios), from rank 0; ratios of issue 23's targets
@@ -51,7 +54,7 @@ import time
 import warnings
 from pathlib import Path
 
-from memory import reset_peak, vm_bytes, write_fsync
+from memory import drop_cached, reset_peak, vm_bytes, write_fsync
 
 WIDTH = 1024
 
@@ -88,6 +91,17 @@ def build(layers: int, shard: bool, world: int = 1):
     return model, opt
 
 
+def dcp_restore(model, opt, folder: Path, no_dist: bool = False) -> None:
+    """What restoring a model and its optimizer takes with DCP alone (as torchtitan's Stateful wrappers do):
+    ``get_state_dict`` -> ``dcp.load`` -> ``set_state_dict`` (the last applies the param groups)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(folder), no_dist=no_dist)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+
+
 def one_process_load(folder: Path, layers: int, repeat: int) -> None:
     """In a process without a process group: median seconds of ``load_state`` and of ``dcp.load`` of the DCP
     folder ``folder`` into an unsharded model, printed as one JSON line ``{"ours": s, "dcp": s}``."""
@@ -100,8 +114,11 @@ def one_process_load(folder: Path, layers: int, repeat: int) -> None:
     warnings.simplefilter("ignore", UserWarning)
     torch.set_num_threads(1)
     model, opt = build(layers, shard=False)
-    times: dict[str, list[float]] = {"ours": [], "dcp": []}
+    times: dict[str, list[float]] = {"ours": [], "dcp": [], "dcp_restore": []}
     for _ in range(repeat):
+        t0 = time.perf_counter()
+        dcp_restore(model, opt, folder, no_dist=True)
+        times["dcp_restore"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         load_state(folder, model=model, optimizer=opt)
         times["ours"].append(time.perf_counter() - t0)
@@ -325,6 +342,13 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         target("ratio_ours_load_state_1_process_over_dcp_load", ours.get("load_state_1_process_s"),
                ours.get("dcp_load_ours_1_process_s"), "<=", 1.3)
+    ratio("ratio_ours_load_state_2_ranks_over_dcp_restore", ours.get("load_state_2_ranks_s"),
+          ours.get("dcp_restore_ours_2_ranks_s"))
+    ratio("ratio_ours_load_state_2_ranks_cold_over_dcp_load_cold", ours.get("load_state_2_ranks_cold_s"),
+          ours.get("dcp_load_ours_2_ranks_cold_s"))
+    if rank == 0:
+        ratio("ratio_ours_load_state_1_process_over_dcp_restore", ours.get("load_state_1_process_s"),
+              ours.get("dcp_restore_ours_1_process_s"))
     peak = ours.get("checkpoint_extra_peak_rss_over_shard")
     if isinstance(peak, float):
         target("ratio_ours_extra_peak_rss_over_shard", peak, 1.0, "<=", 1.1)
@@ -436,6 +460,12 @@ def our_figures(args, d, tmp: Path, model, opt, timed, shard_bytes: int, layers:
     msd, osd = get_state_dict(model, opt)
     figures["dcp_load_ours_2_ranks_s"] = timed(lambda i: dcp.load({"model": msd, "optim": osd},
                                                              checkpoint_id=str(folder)))
+    figures["dcp_restore_ours_2_ranks_s"] = timed(lambda i: dcp_restore(model, opt, folder))
+    # The same from the disk (the folder evicted from the page cache before each), as a resume on another node.
+    cold = (lambda i: drop_cached(folder)) if d.rank == 0 else None
+    figures["load_state_2_ranks_cold_s"] = timed(lambda i: load_state(folder, model=model, optimizer=opt), cold)
+    figures["dcp_load_ours_2_ranks_cold_s"] = timed(lambda i: dcp.load({"model": msd, "optim": osd},
+                                                                  checkpoint_id=str(folder)), cold)
     if d.rank == 0:  # a child process without a process group; rank 1 waits at the barrier meanwhile
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -446,6 +476,7 @@ def our_figures(args, d, tmp: Path, model, opt, timed, shard_bytes: int, layers:
             one = json.loads(child.stdout.strip().splitlines()[-1])
             figures["load_state_1_process_s"] = one["ours"]
             figures["dcp_load_ours_1_process_s"] = one["dcp"]
+            figures["dcp_restore_ours_1_process_s"] = one["dcp_restore"]
         else:
             figures["load_state_1_process_s"] = f"n/a (exit {child.returncode}: {child.stderr[-200:]!r})"
     dist.barrier()
