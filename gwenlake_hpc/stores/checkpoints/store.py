@@ -31,6 +31,7 @@ through :mod:`gwenlake_hpc.base.fsutil`. Which checkpoint a job resumes from is 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -107,8 +108,10 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
+@functools.lru_cache(maxsize=1)
 def writer_version() -> str:
-    """``gwenlake_hpc <version>``, recorded in manifests and state files."""
+    """``gwenlake_hpc <version>``, recorded in manifests and state files (read once per process: the package
+    metadata lookup costs milliseconds, inside every checkpoint block)."""
     try:
         from importlib.metadata import version
 
@@ -353,7 +356,7 @@ class PendingCheckpoint:
         self._unregister()
         # Written in place, fsynced by the seal with the other files (the directory is what gets renamed).
         with open(self.dir / RUN_STATE, "w") as fh:
-            json.dump(run_state, fh, sort_keys=True)
+            fh.write(json.dumps(run_state, sort_keys=True))  # dumps: the C encoder (dump to a file is pure Python)
 
     def seal(self) -> Checkpoint:
         """Write the snapshots, hash and fsync the other files, write the manifest, rename into place.
