@@ -169,3 +169,21 @@ def test_an_optimizer_step_waits_for_the_staging_copy_in_flight():
     assert stepped.wait(30) and future.done()
     stepper.join()
     pool.close()
+
+
+def test_a_shard_the_manifest_does_not_list_is_a_damaged_file_and_nothing_is_loaded(tmp_path):
+    """The adversarial pass's checkpoint whose manifest lacked a shard DCP's metadata names (rank 1's shard saved
+    under another name): the load said FileNotFoundError on every resume; now the checkpoint counts as damaged
+    (set aside by the Run, the resume goes to the previous one)."""
+    model, opt = _trained()
+    ck, _ = _sealed_dcp_checkpoint(tmp_path, model, opt, {})
+    manifest = json.loads((ck.path / MANIFEST).read_text())
+    del manifest["files"]["state.safetensors/__0_0.distcp"]
+    (ck.path / MANIFEST).write_text(json.dumps(manifest))
+    fresh, fresh_opt = _trained(seed=5)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(DamagedFileError, match="is not in checkpoint step-000000010's manifest") as info:
+        load_state(ck.path / "state.safetensors", model=fresh, optimizer=fresh_opt)
+    assert info.value.checkpoint == ck.path
+    assert info.value.path == ck.path / "state.safetensors" / "__0_0.distcp"
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())

@@ -201,14 +201,23 @@ def _reader_class() -> type:
         def __init__(self, path: Path):
             super().__init__(path)
             self._checked: set[str] = set()
+            self._checkpoint: Path | None = None  # the sealed checkpoint whose manifest lists this folder
 
         def check(self, rel: str) -> None:
-            """Raises DamagedFileError when file ``rel`` of the folder is missing or does not match."""
+            """Raises DamagedFileError when file ``rel`` of the folder is missing or does not match, or is not
+            in the manifest of the checkpoint that lists the folder's ``.metadata`` (a shard DCP's metadata
+            names but the seal never saw)."""
             if rel in self._checked:
                 return
             p = Path(self.path) / rel
             entry = manifest_entry(p)
+            if entry is None and self._checkpoint is not None:
+                raise DamagedFileError(f"{p} is not in checkpoint {self._checkpoint.name}'s manifest, whose DCP "
+                                       "metadata names it: a shard missing from the checkpoint", p,
+                                       self._checkpoint)
             if entry is not None:
+                if rel == METADATA:
+                    self._checkpoint = entry[0]
                 ck, alg, digest, size = entry
                 if not p.is_file():
                     raise DamagedFileError(f"{p} is missing from checkpoint {ck.name}", p, ck)
