@@ -1,8 +1,7 @@
 """``python -m gwenlake_hpc``: see :mod:`gwenlake_hpc.cli.dispatch`."""
 
-import sys
-
 from .cli import main
+from .runtime.distributed import exit_process
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -3,6 +3,6 @@
 
 ``gwenlake_hpc.cli.dispatch:train_main`` (the ``gwenlake-train`` entry point) and ``gwenlake_hpc.cli.dispatch:main`` stay valid."""
 
-from .dispatch import discover, main, run_subcommand, train_main
+from .dispatch import discover, main, run_subcommand, train_entry, train_main
 
-__all__ = ["main", "train_main", "run_subcommand", "discover"]
+__all__ = ["main", "train_main", "train_entry", "run_subcommand", "discover"]

@@ -414,6 +414,14 @@ def _dotted_module(path: Path, root: Path) -> str | None:
     return ".".join([*parts, rel.stem])
 
 
+def train_entry() -> None:
+    """The ``gwenlake-train`` console script: :func:`train_main`, then the process's exit (a failed rank of a
+    multi-task run ends without gloo's abort at finalisation: :func:`~gwenlake_hpc.runtime.distributed.exit_process`)."""
+    from ..runtime.distributed import exit_process
+
+    exit_process(train_main())
+
+
 def train_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``gwenlake-train``: list or run decorated functions found under the current directory."""
     install_early()

@@ -193,6 +193,36 @@ def setup(timeout_s: float | None = None) -> Dist:
                 timeout_s=timeout_s)
 
 
+_ABANDONED: list[bool] = []  # a process group left undestroyed after a failure (teardown with ok=False)
+
+
+def exit_process(code: int) -> None:
+    """End the process with exit status ``code`` (what ``python -m gwenlake_hpc`` and ``gwenlake-train`` do).
+
+    After a failure of a multi-task run the process group is left undestroyed (:func:`teardown`): at interpreter
+    finalisation gloo's threads would then be destroyed still running and abort the process (SIGABRT, "terminate
+    called without an active exception") instead of exiting ``code``. So then the exit handlers run (tracking
+    writes what is left), the streams and logs are flushed and the process ends at once (``os._exit``), before
+    finalisation. Otherwise: ``sys.exit(code)``.
+    """
+    import sys
+
+    if not _ABANDONED:
+        sys.exit(code)
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()  # noqa: SLF001 - the handlers os._exit would skip
+    finally:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(code)
+
+
 def teardown(d: Dist, ok: bool = True) -> None:
     """Leave the process group.
 
@@ -200,13 +230,17 @@ def teardown(d: Dist, ok: bool = True) -> None:
     side down while another still completes the last collective (a gloo rank leaving early could abort with
     "terminate called without an active exception"), then destroy the group. After a failure nothing is
     destroyed: the other ranks may be blocked in a collective, and destroying would wait for them; this
-    process's exit closes its connections, and theirs fail at once.
+    process's exit closes its connections, and theirs fail at once; :func:`exit_process` then ends it before
+    the interpreter's finalisation could abort it.
     """
     if not d.enabled:
         return
     import torch.distributed as dist
 
-    if not dist.is_initialized() or not ok:
+    if not dist.is_initialized():
+        return
+    if not ok:
+        _ABANDONED.append(True)  # the process ends through exit_process (see there)
         return
     try:
         d.barrier()
