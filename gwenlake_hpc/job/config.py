@@ -116,6 +116,8 @@ class JobConfig:
         steps, epochs, eval_every, seed, model, tracking: override the decorator's settings (None keeps them).
         resume: ``auto`` or ``never``.
         on_nonfinite: ``stop`` (a NaN or infinite loss ends the run with exit 1) or ``warn``.
+        hang_timeout_s: the hang watchdog (:mod:`gwenlake_hpc.job.watchdog`): ``auto`` (derived from the run's
+            step times, never below 300 s), seconds, or 0 (off).
         params: hyperparameters passed as ``config`` (checked against the function's dataclass if annotated).
     """
 
@@ -128,6 +130,7 @@ class JobConfig:
     tracking: Optional[bool] = None
     resume: Resume = Resume.auto
     on_nonfinite: OnNonFinite = OnNonFinite.stop
+    hang_timeout_s: Any = "auto"
     params: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -143,6 +146,9 @@ class JobConfig:
         rules.choice("job.resume", self.resume, [r.value for r in Resume], "auto continues, never refuses a rerun")
         rules.choice("job.on_nonfinite", self.on_nonfinite, [o.value for o in OnNonFinite],
                      "stop: a NaN loss ends the run")
+        from .watchdog import hang_rule
+
+        hang_rule(self.hang_timeout_s)
 
 
 @dataclass

@@ -303,6 +303,8 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
     from ..runtime.rng import seed_everything
     from ..runtime.run import Run
 
+    heartbeat, watchdog = _start_watchdog(p, d)
+
     def make_run() -> Run:
         # Rank r draws from seed + r: dropout and augmentation differ across ranks (DDP copies rank 0's initial
         # parameters to all); the data order comes from the run seed alone, so the shards fit together.
@@ -311,12 +313,17 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
         try:
             return Run(run_dir=p.run_dir, run_key=p.key, steps=p.steps, epochs=p.epochs, eval_every=p.eval_every,
                        seed=p.seed, tracker=tracker, stop=stop, resume=p.resume, on_nonfinite=p.on_nonfinite,
-                       progress=launcher.progress, progress_every_s=launcher.progress_every_s, dist=d)
+                       progress=launcher.progress, progress_every_s=launcher.progress_every_s, dist=d,
+                       heartbeat=heartbeat)
         except BaseException:
             tracker.close()
             raise
 
-    run = make_run()
+    try:
+        run = make_run()
+    except BaseException:
+        _stop_watchdog(heartbeat, watchdog)
+        raise
     # a point MLflow records at step 0 (no step given) goes to the loop's current step; a short fit has no loop
     current_step = (lambda: 0) if getattr(tf, "is_short", False) else (lambda: run.step)
     if tf.wants_config:
@@ -357,6 +364,32 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
     finally:
         if installed:
             stop.uninstall()
+        _stop_watchdog(heartbeat, watchdog)
+
+
+def _stop_watchdog(heartbeat: Any, watchdog: Any) -> None:
+    if watchdog is not None:
+        watchdog.stop()
+        heartbeat.close()
+        heartbeat.path.unlink(missing_ok=True)
+
+
+def _start_watchdog(p: JobPlan, d: Dist) -> tuple[Any, Any]:
+    """This rank's heartbeat and hang watchdog (:mod:`gwenlake_hpc.job.watchdog`), or ``(None, None)`` when
+    ``job.hang_timeout_s=0`` or the function is a short fit (no loop to beat)."""
+    rule = p.hang_rule
+    if not rule.enabled or getattr(p.tf, "is_short", False):
+        return None, None
+    from ..runtime.heartbeat import Heartbeat, heartbeat_dir
+    from .watchdog import Watchdog
+
+    heartbeat = Heartbeat(heartbeat_dir() / f"gwenlake-{os.getuid()}-{os.getpid()}-rank{d.rank}.heartbeat")
+    try:
+        return heartbeat, Watchdog(rule, p.run_dir, d.rank, heartbeat.path)
+    except BaseException:
+        heartbeat.close()
+        heartbeat.path.unlink(missing_ok=True)
+        raise
 
 
 def _end_failed(run: Run, tracker: Any, finish_timeout: float) -> JobResult:

@@ -159,6 +159,13 @@ class JobPlan:
         return str(self.settings.job.on_nonfinite.value)
 
     @property
+    def hang_rule(self) -> Any:
+        """``job.hang_timeout_s`` as a :class:`~gwenlake_hpc.job.watchdog.HangRule`."""
+        from .watchdog import hang_rule
+
+        return hang_rule(self.settings.job.hang_timeout_s)
+
+    @property
     def tracking_on(self) -> bool:
         return self.tracking_uri is not None
 

@@ -6,13 +6,10 @@ The :class:`Run` itself owns:
   without reading the skipped data when it can), a stop request turned into an ordinary end of loop between two
   steps, agreed by every rank;
 - the resume facts: the checkpoint chosen at start (``resumed``, ``resume_path``, ``start_step``) and its state;
-- its own state saved in every checkpoint (:meth:`Run.state_dict`: step, data position, RNG);
-- the public API, delegating to the objects below.
+- its own state saved in every checkpoint (:meth:`Run.state_dict`: step, data position, RNG); the public API.
 
-It builds, in ``__init__``, and owns:
+It builds, in ``__init__``, and owns a :class:`~.timing.StepTimes` (the ``time/*`` accumulators, shared), and:
 
-- a :class:`~.timing.StepTimes`: the time accumulators of the ``time/*`` breakdown, shared by the loop and
-  the two objects below;
 - a :class:`~.run_metrics.RunMetrics`: ``run.log``, non-finite losses, the breakdown, ``run.summary()``;
 - a :class:`~.run_checkpoints.RunCheckpoints`: ``run.checkpoint()`` (asynchronous by default: the loop waits
   only for a copy of the state), ``run.wait_for_checkpoint()``, ``run.latest_checkpoint``.
@@ -32,6 +29,7 @@ from ..stores.checkpoints import Checkpoint, CheckpointStore
 from ..stores.checkpoints.resume import RESUME_CHOICES, resume_from
 from ..stores.checkpoints.writer import async_default
 from .distributed import Dist
+from .heartbeat import DONE
 from .feed import batch_stream, is_plan, resolve_total, warn_persistent_workers
 from ..base.errors import ConfigError
 from .progress import Progress
@@ -66,13 +64,14 @@ class Run:
             (on unless it is ``0``, ``false``, ``no`` or ``off``).
         on_nonfinite: ``stop``: :meth:`log` of a NaN or infinite loss (a metric whose name contains
             ``loss``) raises :class:`NonFiniteError`; ``warn``: a warning, once per metric.
+        heartbeat: a :class:`~.heartbeat.Heartbeat` the hang watchdog reads (a beat at the start of every step,
+            checkpoint blocks marked), or None.
 
     Attributes read by user code: ``resumed``, ``resume_path``, ``start_step``, ``step``, ``epoch``,
     ``at_eval``, ``stopping``, ``evicted``, ``total_steps``, ``run_dir``, ``seed``, ``rank``, ``world_size``,
     ``local_rank``, ``is_main``, ``latest_checkpoint``.
 
-    Metrics and checkpoints are objects the Run owns (see the module's docstring); :meth:`log`,
-    :meth:`summary`, :meth:`checkpoint` and :meth:`wait_for_checkpoint` delegate to them.
+    Metrics and checkpoints are objects the Run owns (see the module's docstring).
 
     In a multi-task run every rank runs the same loop: with ``Input(...).batches()`` each rank reads its own
     contiguous shard of every epoch (``len(batches) // world_size`` batches a rank, the remainder dropped),
@@ -89,19 +88,14 @@ class Run:
     depends on the number of ranks.
 
     The data position (``Input(...).batches()``) is a global sample count, saved as the ``data`` of every
-    checkpoint (:meth:`state_dict`, :class:`~.feed.PlanStream`): the samples all ranks have read and the
-    positions the current epoch has left. On another number of ranks the new ranks split what the interrupted
-    epoch has left: with the same global batch size (per-rank ``batch_size`` x ``world_size``) no sample is
-    skipped or read twice; with another one the last ``remaining % global_batch_size`` samples of that epoch
-    are skipped (a warning names the counts). ``step`` keeps counting optimizer steps; ``total_steps``
-    (``job.steps``) stays. A checkpoint written before ``data`` existed resumes at this rank's step in the new
-    shards, as before.
+    checkpoint; on another number of ranks the new ranks split what the interrupted epoch has left
+    (:class:`~.feed.PlanStream` says what is skipped when the global batch size changes too).
     """
 
     def __init__(self, *, run_dir: Path, run_key: str, steps: int | None, epochs: int | None, eval_every: int,
                  seed: int, tracker: Any, stop: StopRequest, resume: str = "auto", progress: str = "auto",
                  progress_every_s: float = 30.0, dist: Dist | None = None, checkpoint_async: bool | None = None,
-                 on_nonfinite: str = "stop"):
+                 on_nonfinite: str = "stop", heartbeat: Any = None):
         rules.whole_number("job.steps", steps, 0)
         rules.whole_number("job.epochs", epochs)
         rules.whole_number("job.eval_every", "null" if eval_every is None else eval_every)
@@ -140,6 +134,7 @@ class Run:
         # Where a rank other than 0 puts its (discarded) checkpoint files; its Output is a sibling folder.
         scratch = self.run_dir / ".ranks" / f"rank-{self.rank:05d}" / "checkpoint"
         self._checkpoints = RunCheckpoints(self.store, self.dist, self._times, tracker, scratch, latest)
+        self._heartbeat = self._checkpoints.heartbeat = heartbeat  # the hang watchdog's view (None: no watchdog)
         self._metrics = RunMetrics(tracker, self._times, self.dist.is_main, on_nonfinite, self._checkpoints.wait)
 
     def _choose_checkpoint(self, resume: str) -> Checkpoint | None:
@@ -250,6 +245,7 @@ class Run:
             return
         times, metrics, checkpoints, progress = self._times, self._metrics, self._checkpoints, self._progress
         writer, step = checkpoints.writer, self.start_step  # the loop's objects are read once, not at each step
+        heartbeat = self._heartbeat
         try:
             while step < total:
                 writer.raise_if_failed()  # a failed background write fails the run at the next step
@@ -264,6 +260,8 @@ class Run:
                 self.step, self.epoch = step, epoch
                 self.stopping = final
                 self.at_eval = final or step % self.eval_every == 0 or step == total
+                if heartbeat is not None:
+                    heartbeat.beat(step, self.at_eval)
                 t_step = times.step_start = time.perf_counter()
                 times.input_s += t_step - t_input
                 yield step, batch
@@ -340,6 +338,8 @@ class Run:
 
     def _end_loop(self) -> None:
         self.at_eval = self.stopping = False
+        if self._heartbeat is not None:
+            self._heartbeat.phase(DONE)  # the loop is over: the hang watchdog no longer counts
         if hasattr(self._feed, "close"):
             self._feed.close()  # stops a prefetch thread now; the data position stays readable
         if self._progress is not None:

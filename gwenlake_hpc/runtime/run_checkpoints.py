@@ -37,6 +37,7 @@ from ..base.errors import CheckpointError, ConfigError
 from ..stores.checkpoints import BackgroundWriter, BufferPool, Checkpoint, CheckpointStore, PendingCheckpoint
 from ..stores.checkpoints import rank_state_name
 from .distributed import Dist
+from .heartbeat import CHECKPOINT, STEP
 from .run_metrics import RunMetrics
 from .timing import StepTimes
 
@@ -103,6 +104,7 @@ class RunCheckpoints:
         self._in_block = False
         self._prepared: list[dict[str, Any]] = []  # parts given to run.prepare_checkpoint
         self._reserved = False
+        self.heartbeat: Any = None  # the Run's (runtime.heartbeat.Heartbeat), marks the checkpoint blocks
 
     def prepare(self, parts: dict[str, Any], now: bool) -> None:
         """Record the parts of one state file (``run.prepare_checkpoint``); reserve now when ``now`` (the
@@ -184,6 +186,9 @@ class RunCheckpoints:
                               "(write every file of the step in one block)")
         self._in_block = True
         started = self.times.block_start = time.perf_counter()
+        heartbeat = self.heartbeat
+        if heartbeat is not None:
+            heartbeat.phase(CHECKPOINT)  # the hang watchdog's longer bound holds while the block runs
         try:
             # The block's own code (the user's save_state calls, an evaluation) counts as checkpoint time too:
             # what the loop is blocked by.
@@ -195,6 +200,8 @@ class RunCheckpoints:
         finally:
             self._in_block = False
             self.times.checkpoint_s += time.perf_counter() - max(started, self.times.window_start)
+            if heartbeat is not None:
+                heartbeat.phase(STEP)
 
     def _checkpoint(self, step: int, keep: int | None, asynchronous: bool, state: Callable[[], dict[str, Any]],
                     metrics: RunMetrics, log_breakdown: bool) -> Iterator[CheckpointWriter]:

@@ -128,9 +128,12 @@ def fit(data, output, run, config: Params):
                 time.sleep(0.05)
         if sleep_s:
             time.sleep(sleep_s)
+        _hang(step, run)
         if run.at_eval:
             # The torn-file hook needs the file on disk inside the block: a synchronous checkpoint.
             with run.checkpoint(keep=3, sync=step == kill_at) as ck:
+                if os.environ.get("GWL_TEST_SLEEP_IN_CKPT"):
+                    time.sleep(float(os.environ["GWL_TEST_SLEEP_IN_CKPT"]))
                 path = ck.path("state.safetensors")
                 extra = None
                 if blob is not None and step >= int(extra_from or 0):
@@ -162,6 +165,34 @@ def fit(data, output, run, config: Params):
         full = data.read(["x", "y"])
         mse = nn.functional.mse_loss(model(torch.from_numpy(full["x"])).squeeze(-1), torch.from_numpy(full["y"]))
     return {"final_loss": mse.item()}
+
+
+def _hang(step, run):
+    """GWL_TEST_HANG=k:how (GWL_TEST_HANG_RANK: that rank only): at step k block for good, ``gil``: in a C call that
+    holds the GIL (libc's sleep through ctypes.PyDLL), ``sleep``: time.sleep; the checkpoints before are sealed
+    first (a GIL held for good stops the background seal too). GWL_TEST_HANG_ONCE=file: only while ``file`` does
+    not exist (made first), so that the rerun goes on."""
+    spec = os.environ.get("GWL_TEST_HANG", "")
+    if not spec:
+        return
+    at, how = spec.split(":")
+    if int(at) != step or os.environ.get("GWL_TEST_HANG_RANK", str(run.rank)) != str(run.rank):
+        return
+    run.wait_for_checkpoint()
+    once = os.environ.get("GWL_TEST_HANG_ONCE")
+    if once:
+        if Path(once).exists():
+            return
+        Path(once).touch()
+    print(f"test hook: hanging at step {step} ({how})", flush=True)
+    if how == "gil":
+        import ctypes
+
+        while True:  # a signal ends libc's sleep early (the watchdog's dump): sleep again, the GIL held throughout
+            ctypes.PyDLL(None).sleep(100000)
+    else:
+        while True:
+            time.sleep(100000)
 
 
 class _Rows(torch.utils.data.Dataset):

@@ -140,6 +140,8 @@ def trained(tmp_path_factory):
     (["+job=t", "tracking.flush_interval_s=fast"], "tracking.flush_interval_s='fast': give a number"),
     (["+job=t", "job.resume=bogus"], "job.resume='bogus': give one of auto, never"),
     (["+job=t", "job.on_nonfinite=ignore"], "job.on_nonfinite='ignore': give one of stop, warn"),
+    (["+job=t", "job.hang_timeout_s=soon"], "job.hang_timeout_s='soon': use auto (the default"),
+    (["+job=t", "job.hang_timeout_s=-5"], "job.hang_timeout_s=-5: use auto"),
     (["+job=tt"], "job=tt: there is no"),  # a missing file: the files there, the closest one
     (["+job=t", "launcher=slrum"], "launcher=slrum: there is no"),
     (["+job=t", "launcher=slrum"], "(did you mean launcher=slurm?)"),

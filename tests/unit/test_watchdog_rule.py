@@ -1,0 +1,70 @@
+"""The hang watchdog's rule, its setting and its reading of a faulthandler dump (the processes themselves are
+tested in tests/integration/test_hang.py)."""
+
+import pytest
+
+from gwenlake_hpc.base.errors import ConfigError
+from gwenlake_hpc.job.watchdog import AUTO_FLOOR_S, AUTO_LONG_S, HangRule, hang_rule, where
+from gwenlake_hpc.runtime import heartbeat as hb
+
+
+def _beat(phase=hb.STEP, at_eval=False):
+    return hb.Beat(pid=1, thread_id=0x1234, step=7, phase=phase, at_eval=at_eval, beat_ns=0, count=3)
+
+
+def test_auto_never_goes_below_its_floor_and_follows_the_run_s_own_steps():
+    rule = hang_rule("auto")
+    assert rule.enabled and rule.timeout_s is None
+    assert rule.limit(_beat(), recent_step_s=0.01) == AUTO_FLOOR_S
+    assert rule.limit(_beat(), recent_step_s=120.0) == 1200.0  # 10 x the longest recent step
+    assert rule.limit(_beat(hb.CHECKPOINT), recent_step_s=0.01) == AUTO_LONG_S
+    assert rule.limit(_beat(at_eval=True), recent_step_s=300.0) == 3000.0
+    assert rule.limit(_beat(hb.STARTING), recent_step_s=0.0) == AUTO_LONG_S
+
+
+def test_a_number_sets_the_step_bound_and_three_times_it_for_the_long_phases():
+    rule = hang_rule(4)
+    assert rule.limit(_beat(), 100.0) == 4.0
+    assert rule.limit(_beat(hb.CHECKPOINT), 100.0) == rule.limit(_beat(at_eval=True), 0.0) == 12.0
+    assert not hang_rule(0).enabled and not hang_rule("0").enabled
+    assert hang_rule(None) == HangRule(None) and hang_rule(" AUTO ") == HangRule(None)
+
+
+@pytest.mark.parametrize("bad", [-1, "soon", True, float("nan"), float("inf"), [3]])
+def test_a_bad_setting_names_it_and_the_choices(bad):
+    with pytest.raises(ConfigError, match=r"job.hang_timeout_s=.*use auto .* a number of seconds, or 0"):
+        hang_rule(bad)
+
+
+DUMP = '''Thread 0x00007f0000000002 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+  File "/work/x/.venv/lib/python3.11/site-packages/torch/utils/data/loader.py", line 99 in _loop
+
+Current thread 0x0000000000001234 (most recent call first):
+  File "/work/x/.venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2501 in all_reduce
+  File "/home/u/proj/train.py", line 42 in step_fn
+  File "/home/u/proj/train.py", line 80 in fit
+  File "/work/x/gwenlake_hpc/job/execute.py", line 330 in _train
+'''
+
+
+def test_the_verdict_reads_the_main_thread_and_the_innermost_frame_of_the_user_s_code():
+    main, user = where(DUMP, 0x1234)
+    assert main == "/work/x/.venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py:2501 in all_reduce"
+    assert user == "/home/u/proj/train.py:42 in step_fn"
+    assert where("", 0x1234) == (None, None)
+
+
+def test_a_heartbeat_written_here_is_read_back(tmp_path):
+    beat = hb.Heartbeat(tmp_path / "hb")
+    first = hb.read(tmp_path / "hb")
+    assert first.phase == hb.STARTING and first.count == 0
+    beat.beat(12, at_eval=True)
+    beat.phase(hb.CHECKPOINT)
+    now = hb.read(tmp_path / "hb")
+    assert (now.step, now.phase, now.at_eval, now.count) == (12, hb.CHECKPOINT, True, 2)
+    assert now.beat_ns >= first.beat_ns and now.pid == first.pid
+    beat.close()
+    assert hb.read(tmp_path / "hb").phase == hb.DONE
+    (tmp_path / "junk").write_bytes(b"x" * 80)
+    assert hb.read(tmp_path / "junk") is None and hb.read(tmp_path / "missing") is None
