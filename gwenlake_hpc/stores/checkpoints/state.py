@@ -72,7 +72,7 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
     """
     parts: dict[str, Any] = {}
     # A sharded model's state (and its optimizer's) is read once, by get_state_dict in save_sharded, not here.
-    sharded = model is not None and holds_dtensors([*model.parameters(), *model.buffers()])
+    sharded = isinstance(model, torch.nn.Module) and holds_dtensors([*model.parameters(), *model.buffers()])
     if model is not None:
         parts["model"] = None if sharded else model.state_dict()
     if optimizer is not None:
