@@ -52,8 +52,11 @@ POLL_S = 1.0
 AUTO_FLOOR_S = 300.0
 #: ``auto``: a step may last this many times the longest of the recent steps.
 AUTO_FACTOR = 10.0
-#: ``auto``: start-up (until the first step starts) and steps holding a checkpoint or an evaluation.
+#: ``auto``: steps holding a checkpoint or an evaluation.
 AUTO_LONG_S = 1800.0
+#: ``auto``: start-up, from the Run's creation until the first step starts (data opening, model building, a
+#: resume's load_state, whatever the function does before its loop).
+AUTO_STARTUP_S = 3600.0
 #: A number N: start-up, checkpoint and evaluation steps may last this many times N.
 LONG_FACTOR = 3.0
 
@@ -62,9 +65,9 @@ LONG_FACTOR = 3.0
 class HangRule:
     """``job.hang_timeout_s``: ``auto`` (None here), a number of seconds, or 0 (off).
 
-    ``auto``: a step may last ``max(300 s, 10 x the longest of the last 100 steps)``; start-up and a step that
-    holds a checkpoint block or an evaluation ``max(1800 s, that)``. A number N: steps N seconds, start-up,
-    checkpoint and evaluation steps 3 x N.
+    ``auto``: a step may last ``max(300 s, 10 x the longest of the last 100 steps)``; a step that holds a
+    checkpoint block or an evaluation ``max(1800 s, that)``; start-up (until the first step) 3600 s. A number N:
+    steps N seconds, start-up, checkpoint and evaluation steps 3 x N.
     """
 
     timeout_s: float | None = None
@@ -78,6 +81,8 @@ class HangRule:
         long = beat.phase in (hb.STARTING, hb.CHECKPOINT) or beat.at_eval
         if self.timeout_s is not None:
             return self.timeout_s * (LONG_FACTOR if long else 1.0)
+        if beat.phase == hb.STARTING:
+            return AUTO_STARTUP_S
         step = max(AUTO_FLOOR_S, AUTO_FACTOR * recent_step_s)
         return max(AUTO_LONG_S, step) if long else step
 

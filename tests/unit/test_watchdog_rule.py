@@ -4,7 +4,7 @@ tested in tests/integration/test_hang.py)."""
 import pytest
 
 from gwenlake_hpc.base.errors import ConfigError
-from gwenlake_hpc.job.watchdog import AUTO_FLOOR_S, AUTO_LONG_S, HangRule, hang_rule, where
+from gwenlake_hpc.job.watchdog import AUTO_FLOOR_S, AUTO_LONG_S, AUTO_STARTUP_S, HangRule, hang_rule, where
 from gwenlake_hpc.runtime import heartbeat as hb
 
 
@@ -19,7 +19,7 @@ def test_auto_never_goes_below_its_floor_and_follows_the_run_s_own_steps():
     assert rule.limit(_beat(), recent_step_s=120.0) == 1200.0  # 10 x the longest recent step
     assert rule.limit(_beat(hb.CHECKPOINT), recent_step_s=0.01) == AUTO_LONG_S
     assert rule.limit(_beat(at_eval=True), recent_step_s=300.0) == 3000.0
-    assert rule.limit(_beat(hb.STARTING), recent_step_s=0.0) == AUTO_LONG_S
+    assert rule.limit(_beat(hb.STARTING), recent_step_s=0.0) == AUTO_STARTUP_S == 3600.0
 
 
 def test_a_number_sets_the_step_bound_and_three_times_it_for_the_long_phases():
