@@ -7,6 +7,7 @@ non-success exit status).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -16,7 +17,7 @@ import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
@@ -338,7 +339,8 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
                     with active_run(run), user_mlflow.reporting(tracker if reporting.reports else None,
                                                                 reporting.state_dir, current_step,
                                                                 reporting.off_reason):
-                        result = tf.fn(**kwargs)
+                        with _watched(heartbeat):
+                            result = tf.fn(**kwargs)
                     run.wait_for_checkpoint()  # a background write that failed fails the job here
                     break
                 except DamagedFileError as exc:
@@ -367,6 +369,23 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
         _stop_watchdog(heartbeat, watchdog)
 
 
+@contextlib.contextmanager
+def _watched(heartbeat: Any) -> Iterator[None]:
+    """The training function's call, watched from its start (start-up counts from here, not from the job's own
+    preparation) to its end (after it, returned or raised, nothing is: a failure's or an interrupt's tracking
+    finish is no hang)."""
+    if heartbeat is None:
+        yield
+        return
+    from ..runtime.heartbeat import DONE, STARTING
+
+    heartbeat.phase(STARTING)
+    try:
+        yield
+    finally:
+        heartbeat.phase(DONE)
+
+
 def _stop_watchdog(heartbeat: Any, watchdog: Any) -> None:
     if watchdog is not None:
         watchdog.stop()
@@ -384,8 +403,9 @@ def _start_watchdog(p: JobPlan, d: Dist) -> tuple[Any, Any]:
     from .watchdog import Watchdog
 
     heartbeat = Heartbeat(heartbeat_dir() / f"gwenlake-{os.getuid()}-{os.getpid()}-rank{d.rank}.heartbeat")
+    started = d.broadcast(time.strftime("%Y%m%d-%H%M%S"))  # one hangs/<start>/ folder for all ranks
     try:
-        return heartbeat, Watchdog(rule, p.run_dir, d.rank, heartbeat.path)
+        return heartbeat, Watchdog(rule, p.run_dir, d.rank, heartbeat.path, started)
     except BaseException:
         heartbeat.close()
         heartbeat.path.unlink(missing_ok=True)

@@ -65,9 +65,10 @@ LONG_FACTOR = 3.0
 class HangRule:
     """``job.hang_timeout_s``: ``auto`` (None here), a number of seconds, or 0 (off).
 
-    ``auto``: a step may last ``max(300 s, 10 x the longest of the last 100 steps)``; a step that holds a
-    checkpoint block or an evaluation ``max(1800 s, that)``; start-up (until the first step) 3600 s. A number N:
-    steps N seconds, start-up, checkpoint and evaluation steps 3 x N.
+    ``auto``: a step may last ``max(300 s, 10 x the longest of the last 100 steps)``; the first step of a start and
+    a step that holds a checkpoint block or an evaluation ``max(1800 s, that)``; start-up (from the training
+    function's call to its first step) 3600 s. A number N (at least 1): steps N seconds, start-up, first,
+    checkpoint and evaluation steps 3 x N.
     """
 
     timeout_s: float | None = None
@@ -77,8 +78,9 @@ class HangRule:
         return self.timeout_s is None or self.timeout_s > 0
 
     def limit(self, beat: hb.Beat, recent_step_s: float) -> float:
-        """Seconds rank ``beat`` may stay silent in its phase; ``recent_step_s``: its longest recent step."""
-        long = beat.phase in (hb.STARTING, hb.CHECKPOINT) or beat.at_eval
+        """Seconds rank ``beat`` may stay silent in its phase; ``recent_step_s``: its longest recent step. The
+        first step of a start (it compiles, warms up) is a long one."""
+        long = beat.phase in (hb.STARTING, hb.CHECKPOINT) or beat.at_eval or beat.first
         if self.timeout_s is not None:
             return self.timeout_s * (LONG_FACTOR if long else 1.0)
         if beat.phase == hb.STARTING:
@@ -102,6 +104,9 @@ def hang_rule(value: Any) -> HangRule:
     if isinstance(value, bool) or not seconds >= 0 or seconds != seconds or seconds == float("inf"):
         raise ConfigError(f"job.hang_timeout_s={value!r}: use auto (the default: derived from the run's step times, "
                           "never below 300 s), a number of seconds, or 0 to turn the hang watchdog off")
+    if 0 < seconds < POLL_S:
+        raise ConfigError(f"job.hang_timeout_s={value!r}: give at least {POLL_S:.0f} s (the watchdog reads the "
+                          "heartbeat once a second), auto, or 0 to turn it off")
     return HangRule(seconds)
 
 
@@ -111,9 +116,10 @@ class Watchdog:
     Args:
         rule: the hang rule. run_dir: the run's directory (``hangs/`` goes there). rank: this process's rank.
         heartbeat: the rank's heartbeat file (made by the caller, written by the Run).
+        started: this start's name, the same on every rank (``hangs/<started>/``).
     """
 
-    def __init__(self, rule: HangRule, run_dir: Path, rank: int, heartbeat: Path):
+    def __init__(self, rule: HangRule, run_dir: Path, rank: int, heartbeat: Path, started: str):
         self.rule, self.run_dir, self.rank, self.heartbeat = rule, Path(run_dir), rank, Path(heartbeat)
         hangs = self.run_dir / "hangs"
         hangs.mkdir(parents=True, exist_ok=True)
@@ -122,7 +128,7 @@ class Watchdog:
         faulthandler.register(DUMP_SIGNAL, file=self._dump, all_threads=True, chain=False)
         spec = {"rule": asdict(rule), "run_dir": str(self.run_dir), "rank": rank, "pid": os.getpid(),
                 "heartbeat": str(self.heartbeat), "dump": str(self.dump_path), "host": socket.gethostname(),
-                "started": time.strftime("%Y%m%d-%H%M%S")}
+                "started": started}
         with shield_children():  # an eviction's SIGTERM must not end the watchdog before the training
             self._proc = subprocess.Popen([sys.executable, "-m", "gwenlake_hpc.job.watchdog"],
                                           stdin=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -154,13 +160,17 @@ def _stopped(pid: int) -> bool:
 
 
 def _alive(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie (dead, not yet reaped by its parent)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[:1] != ["Z"]
+    except OSError:
+        return False
 
 
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<fn>\S+)')
@@ -175,7 +185,8 @@ def where(stacks: str, thread_id: int) -> tuple[str | None, str | None]:
     block = next((b for b in blocks if b.strip() and wanted in b.splitlines()[0]), blocks[0])
     frames = [m for m in (_FRAME.match(line) for line in block.splitlines()) if m]
     text = [f"{m['file']}:{m['line']} in {m['fn']}" for m in frames]
-    user = next((t for t, m in zip(text, frames) if not any(s in m["file"] for s in _LIBRARIES)), None)
+    user = next((t for t, m in zip(text, frames)
+                 if not m["file"].startswith("<") and not any(s in m["file"] for s in _LIBRARIES)), None)
     return (text[0] if text else None), user
 
 
@@ -203,7 +214,8 @@ def _on_hang(spec: Mapping[str, Any], beat: hb.Beat, silent_s: float, limit_s: f
         return False
     folder = Path(spec["run_dir"]) / "hangs" / str(spec["started"])
     folder.mkdir(parents=True, exist_ok=True)
-    phase = hb.PHASE_NAMES.get(beat.phase, str(beat.phase)) + (" (evaluation step)" if beat.at_eval else "")
+    phase = hb.PHASE_NAMES.get(beat.phase, str(beat.phase)) + (" (evaluation step)" if beat.at_eval else "") + (
+        " (first step)" if beat.first else "")
     head = (f"host {spec['host']}\nrank {rank}\npid {pid}\nstep {beat.step}\nphase {phase}\n"
             f"silent {silent_s:.1f} s\nlimit {limit_s:.1f} s\n\n")
     stack_file = folder / f"rank{rank}.txt"
@@ -220,21 +232,61 @@ def _on_hang(spec: Mapping[str, Any], beat: hb.Beat, silent_s: float, limit_s: f
           f"{beat.step} ({phase}; the limit is {limit_s:.0f} s, job.hang_timeout_s): {at}; all threads' stacks: "
           f"{stack_file}; ending it (the job step fails killed, a SLURM job is requeued and resumes from its "
           "newest checkpoint)", file=sys.stderr, flush=True)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    children = _children(pid)  # DataLoader workers and the like: read before the rank dies (then reparented)
+    for target in [pid, *children]:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + 5.0
+    while _alive(pid) and time.monotonic() < deadline:  # so that its files can be removed (watch's end)
+        time.sleep(0.1)
     return True
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from ``/proc``; this watchdog excepted)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rpartition(")")[2].split()
+        if len(fields) > 1 and fields[1] == str(pid):
+            found.append(int(entry))
+    return found
+
+
+def _clean(spec: Mapping[str, Any]) -> None:
+    """The rank's heartbeat file and its unused stack file, once the rank is gone (a killed rank cannot)."""
+    Path(spec["heartbeat"]).unlink(missing_ok=True)
+    dump = Path(spec["dump"])
+    try:
+        if dump.stat().st_size == 0 or not _alive(int(spec["pid"])):
+            dump.unlink()
+    except OSError:
+        pass
 
 
 def watch(spec: Mapping[str, Any], stdin: Any) -> int:
     """The watchdog's loop (see the module's docstring); returns when ``stdin`` ends, the rank is gone, or after
-    it ended a hung rank. Returns 0."""
+    it ended a hung rank, having removed what the rank left (:func:`_clean`). Returns 0."""
+    try:
+        return _watch(spec, stdin)
+    finally:
+        if not _alive(int(spec["pid"])):
+            _clean(spec)
+
+
+def _watch(spec: Mapping[str, Any], stdin: Any) -> int:
     rule = HangRule(**spec["rule"])
     pid, path = int(spec["pid"]), Path(spec["heartbeat"])
     last: hb.Beat | None = None
     since = time.monotonic_ns()  # when the rank was last seen making progress (or stopped)
-    steps: list[float] = []  # recent step durations (s), from one beat to the next
+    steps: list[float] = []  # recent step durations (s): between two readings, the time per step started
     polled = time.monotonic()
     while True:
         readable, _, _ = select.select([stdin], [], [], POLL_S)
@@ -248,8 +300,8 @@ def watch(spec: Mapping[str, Any], stdin: Any) -> int:
         if beat is None or beat.phase == hb.DONE:
             continue
         if last is None or beat.count != last.count:
-            if last is not None and last.phase == hb.STEP and beat.phase == hb.STEP and beat.step == last.step + 1:
-                steps = (steps + [(beat.beat_ns - last.beat_ns) / 1e9])[-100:]
+            if last is not None and last.phase == hb.STEP and beat.phase == hb.STEP and beat.step > last.step:
+                steps = (steps + [(beat.beat_ns - last.beat_ns) / 1e9 / (beat.step - last.step)])[-100:]
             last, since = beat, beat.beat_ns
             continue
         if _stopped(pid) or gap > 5 * POLL_S:  # stopped, or this watchdog was: not silence

@@ -11,7 +11,7 @@ Responsibilities:
 
 Layout (little-endian, :data:`_FORMAT`): magic ``GWHB``, format version, pid, main thread id (to find the main
 thread in a faulthandler dump), step, phase (:data:`STARTING`, :data:`STEP`, :data:`CHECKPOINT`, :data:`DONE`),
-evaluation flag, beat time (``time.monotonic_ns()``: CLOCK_MONOTONIC, the same clock in every process of the
+flags (1: an evaluation step, 2: the first step of this start), beat time (``time.monotonic_ns()``: CLOCK_MONOTONIC, the same clock in every process of the
 machine), and the number of beats. The file lives on the node (``/dev/shm`` where it exists): only that node's
 watchdog reads it. Standard library only.
 """
@@ -54,7 +54,8 @@ class Beat:
     Attributes:
         pid: the training process. thread_id: its main thread's ``threading.get_ident()``.
         step: the step running (its start was the last beat; 0 before the first). phase: one of the phases.
-        at_eval: the step is an evaluation step. beat_ns: ``time.monotonic_ns()`` of the last beat.
+        at_eval: the step is an evaluation step. first: it is the first step of this start (it compiles,
+        warms up, fills caches). beat_ns: ``time.monotonic_ns()`` of the last beat.
         count: beats so far (grows with every beat and phase change).
     """
 
@@ -65,6 +66,7 @@ class Beat:
     at_eval: bool
     beat_ns: int
     count: int
+    first: bool = False
 
 
 class Heartbeat:
@@ -83,10 +85,10 @@ class Heartbeat:
                          0, STARTING, 0, time.monotonic_ns(), 0)
         self._step, self._phase, self._eval = 0, STARTING, 0
 
-    def beat(self, step: int, at_eval: bool) -> None:
-        """Step ``step`` starts now (``at_eval``: it is an evaluation step)."""
+    def beat(self, step: int, at_eval: bool, first: bool = False) -> None:
+        """Step ``step`` starts now (``at_eval``: it is an evaluation step; ``first``: the first of this start)."""
         self._count += 1
-        self._step, self._phase, self._eval = step, STEP, 1 if at_eval else 0
+        self._step, self._phase, self._eval = step, STEP, (1 if at_eval else 0) | (2 if first else 0)
         struct.pack_into(_BEAT_FORMAT, self._map, _BEAT_OFFSET, step, STEP, self._eval, time.monotonic_ns(),
                          self._count)
 
@@ -117,4 +119,4 @@ def read(path: str | os.PathLike) -> Beat | None:
     magic, version, pid, tid, step, phase, at_eval, beat_ns, count = struct.unpack(_FORMAT, data)
     if magic != _MAGIC or version != _VERSION:
         return None
-    return Beat(pid, tid, step, phase, bool(at_eval), beat_ns, count)
+    return Beat(pid, tid, step, phase, bool(at_eval & 1), beat_ns, count, bool(at_eval & 2))

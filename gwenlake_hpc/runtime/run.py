@@ -261,7 +261,7 @@ class Run:
                 self.stopping = final
                 self.at_eval = final or step % self.eval_every == 0 or step == total
                 if heartbeat is not None:
-                    heartbeat.beat(step, self.at_eval)
+                    heartbeat.beat(step, self.at_eval, step == self.start_step + 1)
                 t_step = times.step_start = time.perf_counter()
                 times.input_s += t_step - t_input
                 yield step, batch

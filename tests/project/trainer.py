@@ -85,6 +85,9 @@ def fit(data, output, run, config: Params):
     global_batch = os.environ.get("GWL_TEST_GLOBAL_BATCH")
     batch_size = int(global_batch) // run.world_size if global_batch else config.batch_size
     seen = os.environ.get("GWL_TEST_SEEN")
+    if os.environ.get("GWL_TEST_RAISE_BEFORE_LOOP"):  # a failure before the loop, after some start-up time
+        time.sleep(float(os.environ["GWL_TEST_RAISE_BEFORE_LOOP"]))
+        raise ValueError("test hook: failed before the loop")
     for step, batch in run.steps(data.batches(batch_size, columns=columns)):
         if seen:
             with open(f"{seen}.{run.rank}", "a") as fh:

@@ -8,8 +8,8 @@ from gwenlake_hpc.job.watchdog import AUTO_FLOOR_S, AUTO_LONG_S, AUTO_STARTUP_S,
 from gwenlake_hpc.runtime import heartbeat as hb
 
 
-def _beat(phase=hb.STEP, at_eval=False):
-    return hb.Beat(pid=1, thread_id=0x1234, step=7, phase=phase, at_eval=at_eval, beat_ns=0, count=3)
+def _beat(phase=hb.STEP, at_eval=False, first=False):
+    return hb.Beat(pid=1, thread_id=0x1234, step=7, phase=phase, at_eval=at_eval, beat_ns=0, count=3, first=first)
 
 
 def test_auto_never_goes_below_its_floor_and_follows_the_run_s_own_steps():
@@ -25,6 +25,8 @@ def test_auto_never_goes_below_its_floor_and_follows_the_run_s_own_steps():
 def test_a_number_sets_the_step_bound_and_three_times_it_for_the_long_phases():
     rule = hang_rule(4)
     assert rule.limit(_beat(), 100.0) == 4.0
+    assert rule.limit(_beat(first=True), 100.0) == 12.0  # the first step of a start: compiling, warming up
+    assert hang_rule("auto").limit(_beat(first=True), 0.01) == AUTO_LONG_S
     assert rule.limit(_beat(hb.CHECKPOINT), 100.0) == rule.limit(_beat(at_eval=True), 0.0) == 12.0
     assert not hang_rule(0).enabled and not hang_rule("0").enabled
     assert hang_rule(None) == HangRule(None) and hang_rule(" AUTO ") == HangRule(None)
@@ -34,6 +36,13 @@ def test_a_number_sets_the_step_bound_and_three_times_it_for_the_long_phases():
 def test_a_bad_setting_names_it_and_the_choices(bad):
     with pytest.raises(ConfigError, match=r"job.hang_timeout_s=.*use auto .* a number of seconds, or 0"):
         hang_rule(bad)
+
+
+def test_a_limit_under_the_watchdog_s_one_second_polling_is_refused():
+    """The adversarial pass's job.hang_timeout_s=1e-9: it was accepted and killed the run at its first poll."""
+    with pytest.raises(ConfigError, match=r"job.hang_timeout_s=1e-09: give at least 1 s"):
+        hang_rule(1e-9)
+    assert hang_rule(1).timeout_s == 1.0
 
 
 DUMP = '''Thread 0x00007f0000000002 (most recent call first):
@@ -53,16 +62,20 @@ def test_the_verdict_reads_the_main_thread_and_the_innermost_frame_of_the_user_s
     assert main == "/work/x/.venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py:2501 in all_reduce"
     assert user == "/home/u/proj/train.py:42 in step_fn"
     assert where("", 0x1234) == (None, None)
+    frozen = DUMP.replace('/home/u/proj/train.py", line 42', '<frozen runpy>", line 88')
+    assert where(frozen, 0x1234)[1] == "/home/u/proj/train.py:80 in fit"  # <frozen ...> is no one's code
 
 
 def test_a_heartbeat_written_here_is_read_back(tmp_path):
     beat = hb.Heartbeat(tmp_path / "hb")
     first = hb.read(tmp_path / "hb")
     assert first.phase == hb.STARTING and first.count == 0
+    beat.beat(11, at_eval=False, first=True)
+    assert (hb.read(tmp_path / "hb").first, hb.read(tmp_path / "hb").at_eval) == (True, False)
     beat.beat(12, at_eval=True)
     beat.phase(hb.CHECKPOINT)
     now = hb.read(tmp_path / "hb")
-    assert (now.step, now.phase, now.at_eval, now.count) == (12, hb.CHECKPOINT, True, 2)
+    assert (now.step, now.phase, now.at_eval, now.first, now.count) == (12, hb.CHECKPOINT, True, False, 3)
     assert now.beat_ns >= first.beat_ns and now.pid == first.pid
     beat.close()
     assert hb.read(tmp_path / "hb").phase == hb.DONE
