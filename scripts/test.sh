@@ -31,21 +31,21 @@ if [ $# -gt 0 ] || [ "${GWENLAKE_TEST_SERIAL:-0}" = 1 ]; then
   exec .venv/bin/python -m pytest -q --durations=25 "$@"
 fi
 # The whole suite in two halves at once: the tests on the SLURM cluster (-m slurm: the cluster, submission over
-# SSH) spend most of their time waiting on SLURM (steps that sleep, preemption, requeue delays), while the
-# others keep the cores busy. Each half has its own temporary folder; both outputs are printed, the cluster's
+# SSH) spend most of their time waiting on SLURM (steps that sleep, preemption, requeue delays), and so do the
+# tests marked waits (servers down, sleeps); the others keep the cores busy. Each half has its own temporary folder; both outputs are printed, the cluster's
 # last. GWENLAKE_TEST_SERIAL=1 runs one pytest instead.
 cluster_tmp=$(mktemp -d /tmp/gwenlake-cluster-tests.XXXXXX)
 cluster_log="$cluster_tmp.log"
-.venv/bin/python -m pytest -q --durations=15 -m slurm -p no:cacheprovider --basetemp="$cluster_tmp/t" \
+.venv/bin/python -m pytest -q --durations=15 -m "slurm or waits" -p no:cacheprovider --basetemp="$cluster_tmp/t" \
   > "$cluster_log" 2>&1 &
 cluster_pid=$!
 set +e
-.venv/bin/python -m pytest -q --durations=25 -m "not slurm"
+.venv/bin/python -m pytest -q --durations=25 -m "not slurm and not waits"
 rest_rc=$?
 wait "$cluster_pid"
 cluster_rc=$?
 set -e
-echo "=== tests on the SLURM cluster (-m slurm), run at the same time ==="
+echo "=== tests on the SLURM cluster and those that mostly wait (-m 'slurm or waits'), run at the same time ==="
 cat "$cluster_log"
 echo "exit statuses: not slurm $rest_rc, slurm $cluster_rc"
 rm -rf "$cluster_tmp" "$cluster_log"

@@ -1,4 +1,5 @@
-"""Shared fixtures: a temporary project (``project``) and one observed job (``observed_job``).
+"""Shared fixtures: a temporary project (``project``), one observed job (``observed_job``), and the check that
+the hang watchdog raised no false alarm in the whole session (``_no_false_hangs``).
 
 The helpers live in tests/helpers/ (a package: ``from helpers.project import make_test_project``); test files
 import from there, never from each other. The tiers are folders: unit/ (no services, seconds), integration/
@@ -15,7 +16,7 @@ TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:  # `import helpers` from any tier's folder, whatever pytest's import mode
     sys.path.insert(0, str(TESTS))
 
-from helpers.project import Project, make_test_project  # noqa: E402
+from helpers.project import HANG_EXPECTED, Project, make_test_project  # noqa: E402
 
 # Fixtures used by tests in more than one tier, defined beside their helpers (a test module's own fixture of the
 # same name takes precedence): `trained`; the tracking tests' `server`, `live`, `sqlite_dir`; `mlproject`,
@@ -64,3 +65,15 @@ def observed_job(tmp_path_factory):
         t.join(10)
         sock.close()
     return SimpleNamespace(project=project, proc=proc, datagrams=got)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_false_hangs(tmp_path_factory):
+    """Zero false alarms of the hang watchdog across the suite (it is on by default in every job): at the
+    session's end, a hang verdict (``hangs/<start>/verdict*.json``) anywhere under the session's temporary folder
+    fails the session, unless a folder above it holds :data:`HANG_EXPECTED`."""
+    yield
+    base = tmp_path_factory.getbasetemp()
+    unexpected = [p for p in base.rglob("hangs/*/verdict*.json")
+                  if not any((parent / HANG_EXPECTED).exists() for parent in p.parents if base in parent.parents)]
+    assert not unexpected, f"the hang watchdog called these runs hung (false alarms): {sorted(map(str, unexpected))}"

@@ -49,6 +49,29 @@ def positive_seconds(key: str, value: Any, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key}={value!r}: must be a number of seconds {'>= 0' if allow_zero else '> 0'}")
 
 
+def positive_number(key: str, value: Any, meaning: str = "") -> None:
+    """Refuse ``value`` unless it is a finite number > 0 (not a bool, not a string).
+
+    Raises:
+        ConfigError: ``<key>=<value>: must be a number > 0`` and ``meaning`` (its unit and default).
+    """
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and value == value and value != float("inf")
+    if not ok or value <= 0:
+        raise ConfigError(f"{key}={value!r}: must be a number > 0" + (f" ({meaning})" if meaning else ""))
+
+
+def factor_above_one(key: str, value: Any, meaning: str = "") -> None:
+    """Refuse ``value`` unless it is 0 (off) or a finite number > 1.
+
+    Raises:
+        ConfigError: naming the key, the accepted values and ``meaning``.
+    """
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and value == value and value != float("inf")
+    if not ok or not (value == 0 or value > 1):
+        raise ConfigError(f"{key}={value!r}: must be a number > 1 (a factor), or 0 to turn it off" +
+                          (f"; {meaning}" if meaning else ""))
+
+
 def choice(key: str, value: Any, choices: Iterable[str], meaning: str = "") -> None:
     """Refuse ``value`` (a str or a str Enum member) unless it is one of ``choices``.
 

@@ -72,26 +72,62 @@ def smooth(values: Sequence[float], weight: float) -> list[float]:
     return out
 
 
-def restart_steps(history: dict[str, list[tuple[int, int]]], start_times: list[float]) -> list[int]:
-    """The first step logged after each restart.
+def restart_steps(history: dict[str, list[tuple[int, int]]], starts: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The first step of each restart: each start's ``first_step`` in ``run.json`` (written by the start as its
+    loop began: the step after the checkpoint it resumed from, so no clock is compared), every start that began
+    a loop but the first one. A start that ended before its loop (``first_step`` null: a bad input, a failure
+    in the function's set-up, a kill at start-up) is no restart and has no mark. A start recorded by an older
+    version of gwenlake_hpc, without ``first_step``, is placed at the first step logged after its wall-clock
+    ``time``.
 
     Args:
         history: metric -> [(step, timestamp in ms)].
-        start_times: Unix seconds of every start of the run (``run.json``'s ``starts``), first one included.
+        starts: every start of the run (``run.json``'s ``starts``), in order.
+
     """
     points = sorted((ts, step) for series in history.values() for step, ts in series)
-    marks = []
-    for t in start_times[1:]:
-        after = [step for ts, step in points if ts >= t * 1000]
-        if after:
-            marks.append(min(after))
-    return marks
+    began = []
+    for i, s in enumerate(starts):
+        if "first_step" in s:
+            if s["first_step"] is not None:
+                began.append(int(s["first_step"]))
+        elif i == 0:
+            began.append(1)
+        elif "time" in s:
+            after = [step for ts, step in points if ts >= float(s["time"]) * 1000]
+            if after:
+                began.append(min(after))
+    return began[1:]
+
+
+def _starts(run_dir: Path) -> list[Mapping[str, Any]]:
+    """``run.json``'s ``starts`` ([] without the file).
+
+    Raises:
+        ConfigError: the file is not a JSON object with a list of starts, each with a numeric ``time`` and
+            ``first_step`` where it has them (damaged or edited by hand).
+    """
+    path = run_dir / "run.json"
+    try:
+        info = read_json(path, default={})
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} cannot be read ({exc}): it is the run's record; restore it") from None
+    starts = info.get("starts", []) if isinstance(info, dict) else None
+    def valid(s: Any) -> bool:
+        return (isinstance(s, dict) and isinstance(s.get("time", 0), (int, float))
+                and (s.get("first_step") is None or isinstance(s["first_step"], int)))
+
+    if not isinstance(starts, list) or not all(valid(s) for s in starts):
+        raise ConfigError(f"{path} is not a run record (a JSON object whose 'starts' is a list of objects, with "
+                          "numbers for their 'time' and 'first_step'): restore it")
+    return starts
 
 
 def draw(values: Mapping[str, Mapping[int, float]], marks: Sequence[int], title: str,
-         smoothing: float = SMOOTHING) -> Any:
+         smoothing: float = SMOOTHING, starts: Sequence[Mapping[str, Any]] = ()) -> Any:
     """The report's figure: one panel per metric, the ``time/*`` metrics stacked in one panel (seconds per step:
-    input, compute, checkpoint, tracking), dashed red lines at ``marks``.
+    input, compute, checkpoint, tracking), dashed red lines at ``marks``; under them, with a ledger, one bar per
+    start with the parts of its time (:func:`gwenlake_hpc.runtime.ledger.parts`, seconds) and its end.
 
     Args:
         values: metric -> {step: value}.
@@ -99,6 +135,7 @@ def draw(values: Mapping[str, Mapping[int, float]], marks: Sequence[int], title:
         title: the first panel's title.
         smoothing: weight of :func:`smooth` in [0, 1); above 0, each metric's raw curve is drawn faint under its
             smoothed one, and the legend gives the weight. The ``time/*`` panel is drawn raw.
+        starts: the goodput ledger's records (:func:`gwenlake_hpc.runtime.ledger.read_ledger`), or none.
 
     Returns:
         The matplotlib Figure (Agg backend); the caller saves and closes it.
@@ -111,8 +148,13 @@ def draw(values: Mapping[str, Mapping[int, float]], marks: Sequence[int], title:
     # The Run's time/* metrics share one panel: where each step's time went (input, compute, checkpoints,
     # tracking), stacked, so the bottleneck shows at a glance.
     times = [k for k in values if k.startswith("time/")]
-    panels: list[list[str]] = [[k] for k in values if k not in times] + ([times] if times else [])
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), squeeze=False)
+    # goodput/* are one point per start's end: the bars below show them
+    panels: list[list[str]] = ([[k] for k in values if k not in times and not k.startswith("goodput/")]
+                               + ([times] if times else []))
+    rows = len(panels) + (1 if starts else 0)
+    fig, axes = plt.subplots(rows, 1, figsize=(8, 2.6 * rows), squeeze=False)
+    if starts:
+        _bars(axes[-1, 0], starts)
     for ax, keys in zip(axes[:, 0], panels):
         if keys is not panels[-1] or not times:
             key = keys[0]
@@ -140,16 +182,38 @@ def draw(values: Mapping[str, Mapping[int, float]], marks: Sequence[int], title:
             ax.legend(loc="upper left", fontsize="small")
         for m in marks:
             ax.axvline(m, color="tab:red", ls="--", lw=1)
-    axes[-1, 0].set_xlabel("step")
+    axes[len(panels) - 1, 0].set_xlabel("step")
     axes[0, 0].set_title(title, loc="left", fontsize="medium")
     fig.tight_layout()
     return fig
 
 
+def _bars(ax: Any, starts: Sequence[Mapping[str, Any]]) -> None:
+    """One horizontal bar per start: its parts stacked (seconds), labelled with its end and first step."""
+    from ..runtime import ledger as ledgers
+
+    colours = {"startup_s": "tab:gray", "kept_s": "tab:green", "lost_s": "tab:red", "checkpoint_s": "tab:blue",
+               "after_loop_s": "tab:purple", "other_s": "tab:olive"}
+    parts = [ledgers.parts(r) for r in starts]
+    left = [0.0] * len(starts)
+    ys = list(range(len(starts)))
+    for key in ledgers.PARTS:
+        widths = [p[key] for p in parts]
+        ax.barh(ys, widths, left=left, color=colours[key], label=key[:-2].replace("_", " "))
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set_yticks(ys, [f"start {r.get('start')}: {r.get('end')} (from step {r.get('first_step')})" for r in starts],
+                  fontsize="small")
+    ax.invert_yaxis()
+    total = ledgers.summarize(list(starts))
+    ax.set_title(ledgers.describe(total) or "goodput", loc="left", fontsize="small")
+    ax.set_xlabel("seconds of each start")
+    ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=6, fontsize="x-small", frameon=False)
+
+
 def report(run_dir: str | Path, out: str | Path | None = None, uri: str | None = None,
            smoothing: float = SMOOTHING) -> tuple[Path, list[int]]:
     """Write ``<run_dir>/report.png`` (or ``out``), drawn by :func:`draw`, and ``report.json`` beside it
-    (``restarts_at_step``, ``smoothing``).
+    (``restarts_at_step``, ``smoothing``, the ledger's ``goodput`` summary and each start's ``starts`` parts).
 
     Args:
         smoothing: EMA weight in [0, 1) (TensorBoard's 0.6 by default; 0: raw curves only).
@@ -158,14 +222,17 @@ def report(run_dir: str | Path, out: str | Path | None = None, uri: str | None =
         (the PNG path, the restart steps marked).
 
     Raises:
-        ConfigError: a smoothing weight outside [0, 1); the run directory has no tracking state (tracking was
-            off) or no metric.
+        ConfigError: a smoothing weight outside [0, 1); ``run_dir`` is no directory; its ``run.json`` is
+            damaged; the run directory has no tracking state (tracking was off) or no metric.
     """
     smoothing = check_smoothing(smoothing)
     import matplotlib.pyplot as plt
     from mlflow import MlflowClient
 
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir} is not a run directory: give one under runs/<model>/ (the job prints it)")
+    starts = _starts(run_dir)
     state = read_json(run_dir / "tracking" / "tracking.json")
     run_id_file = run_dir / "tracking" / "run_id"
     if state is None or not run_id_file.exists():
@@ -177,11 +244,17 @@ def report(run_dir: str | Path, out: str | Path | None = None, uri: str | None =
     values = {k: {m.step: m.value for m in ms} for k, ms in points.items()}
     if not history:
         raise ConfigError(f"MLflow run {run.info.run_id} has no metrics yet")
-    starts = [s["time"] for s in (read_json(run_dir / "run.json", default={}) or {}).get("starts", [])]
     marks = restart_steps(history, starts)
-    fig = draw(values, marks, f"{run_dir.parent.name} / {run_dir.name}: {len(marks)} restart(s)", smoothing)
+    from ..runtime import ledger as ledgers
+
+    recs = ledgers.read_ledger(run_dir, live=not (read_json(run_dir / "run.json", default={}) or {}).get("completed"))
+    fig = draw(values, marks, f"{run_dir.parent.name} / {run_dir.name}: {len(marks)} restart(s)", smoothing, recs)
     out = Path(out) if out else run_dir / "report.png"
     fig.savefig(out, dpi=100)
     plt.close(fig)
-    (out.with_suffix(".json")).write_text(json.dumps({"restarts_at_step": marks, "smoothing": smoothing}) + "\n")
+    summary = ledgers.summarize(recs) if recs else None
+    (out.with_suffix(".json")).write_text(json.dumps(
+        {"restarts_at_step": marks, "smoothing": smoothing, "goodput": summary,
+         "starts": [{"start": r.get("start"), "end": r.get("end"), "first_step": r.get("first_step"),
+                     **ledgers.parts(r)} for r in recs]}, default=str) + "\n")
     return out, marks

@@ -24,6 +24,7 @@ from omegaconf import MISSING
 
 from ..base import rules
 from ..base.errors import ConfigError
+from ..runtime.interval import AUTO, DEFAULT_MAX_INTERVAL_S, DEFAULT_MTBF_H
 
 #: ``launcher.progress`` values: a tqdm bar on a terminal and log lines otherwise, or one of them, or none.
 PROGRESS_MODES = ("auto", "bar", "lines", "off")
@@ -118,26 +119,42 @@ class JobConfig:
         on_nonfinite: ``stop`` (a NaN or infinite loss ends the run with exit 1) or ``warn``.
         hang_timeout_s: the hang watchdog (:mod:`gwenlake_hpc.job.watchdog`): ``auto`` (derived from the run's
             step times, never below 300 s), seconds, or 0 (off).
+        slow_rank_factor: a rank slower than the median rank by this factor for 3 evaluations in a row is
+            warned about once, naming its host (:mod:`gwenlake_hpc.runtime.ranks`); 0: no warning.
+        eval_every: a whole number of steps, or ``auto``: chosen from the run's measurements
+            (:mod:`gwenlake_hpc.runtime.interval`: sqrt(2 C M), C the cost of an evaluation step, M the mean
+            time between unannounced interruptions).
+        mtbf_h: with ``eval_every=auto``, M in hours until the run has seen an unannounced interruption (24).
+        max_eval_interval_s: with ``eval_every=auto``, the longest interval between two evaluations (1800 s).
         params: hyperparameters passed as ``config`` (checked against the function's dataclass if annotated).
     """
 
     target: str = MISSING
     steps: Optional[int] = None
     epochs: Optional[int] = None
-    eval_every: Optional[int] = None
+    eval_every: Any = None
     seed: Optional[int] = None
     model: Optional[str] = None
     tracking: Optional[bool] = None
     resume: Resume = Resume.auto
     on_nonfinite: OnNonFinite = OnNonFinite.stop
     hang_timeout_s: Any = "auto"
+    slow_rank_factor: float = 1.5
+    mtbf_h: Any = DEFAULT_MTBF_H
+    max_eval_interval_s: Any = DEFAULT_MAX_INTERVAL_S
     params: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # 0 steps would commit an untrained model as a version (and move `candidate` to it).
         rules.whole_number("job.steps", self.steps, 1, "(a training of 0 steps trains nothing)")
         rules.whole_number("job.epochs", self.epochs)
-        rules.whole_number("job.eval_every", self.eval_every)
+        if self.eval_every != AUTO:
+            rules.whole_number("job.eval_every", self.eval_every, why="(or auto: chosen from the run's step and "
+                               "checkpoint times)")
+        rules.positive_number("job.mtbf_h", self.mtbf_h, "hours: the mean time between unannounced "
+                              f"interruptions job.eval_every=auto assumes until it has measured one ({DEFAULT_MTBF_H:g} "
+                              "by default)")
+        rules.positive_seconds("job.max_eval_interval_s", self.max_eval_interval_s)
         if self.steps is not None and self.epochs is not None:
             raise ConfigError(f"job.steps={self.steps} and job.epochs={self.epochs} are both set: keep one "
                               "(e.g. job.steps=null)")
@@ -149,6 +166,7 @@ class JobConfig:
         from .watchdog import hang_rule
 
         hang_rule(self.hang_timeout_s)
+        rules.factor_above_one("job.slow_rank_factor", self.slow_rank_factor, "1.5 by default")
 
 
 @dataclass

@@ -35,6 +35,7 @@ from .plan import JobPlan, open_inputs, plan
 from .resume import finished_with, resume_point, retry_after_damaged_load
 from .run_environment import check_same_image, container_start
 from ..base.processes import shield_children
+from ..runtime import ledger as ledgers
 from ..runtime.signals import StopRequest
 from ..stores.tracking import NullTracker, Tracker, flatten, is_sqlite, state_dir_for, user_mlflow
 from ..stores.registry import complete_pending_registrations
@@ -56,6 +57,32 @@ def slurm_facts() -> dict[str, str]:
     keys = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT",
             "SLURM_JOB_PARTITION", "SLURM_JOB_NODELIST", "SLURM_PROCID")
     return {k: os.environ[k] for k in keys if k in os.environ}
+
+
+def slurm_queue_times(job_id: str | None, run: Any = None) -> dict[str, Any]:
+    """This start's times as the SLURM controller has them (``scontrol show job``: ``SubmitTime``,
+    ``EligibleTime``, ``StartTime``, one clock) and ``queue_s``, its wait from eligible to started (seconds);
+    {} outside SLURM or when scontrol does not answer within 10 s. ``run``: the command runner (tests)."""
+    import re
+    import subprocess
+    from datetime import datetime
+
+    if not job_id:
+        return {}
+    try:
+        out = (run or (lambda cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout))(
+            ["scontrol", "show", "job", "-o", str(job_id)])
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    found = dict(re.findall(r"\b(SubmitTime|EligibleTime|StartTime)=(\S+)", out or ""))
+    facts: dict[str, Any] = {k: found[n] for k, n in (("submitted", "SubmitTime"), ("eligible", "EligibleTime"),
+                                                       ("started", "StartTime")) if n in found}
+    try:
+        facts["queue_s"] = max(0.0, (datetime.fromisoformat(found["StartTime"])
+                                     - datetime.fromisoformat(found["EligibleTime"])).total_seconds())
+    except (KeyError, ValueError):
+        pass
+    return facts
 
 
 # --- the job -------------------------------------------------------------------------------------------------
@@ -191,12 +218,56 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     point = resume_point(p)  # job.resume=never, job.steps below the newest checkpoint
     if d.is_main:
         log.info("resume point: %s", point.why)
+    past = ledgers.summarize(ledgers.read_ledger(p.run_dir))  # the earlier starts (before this one's file exists)
     container = _record_start(p, info, info_path, d)
+    ledger = _start_ledger(p, info, d)
     code = code_state(Path(sys.modules[p.tf.fn.__module__].__file__ or ".").resolve().parent
                       if getattr(sys.modules.get(p.tf.fn.__module__), "__file__", None) else Path.cwd())
     reporting = _open_tracking(p, info, code, container, d)
-    start = Start(reporting.tracker, info, info_path, code, stop, p.settings.tracking.finish_timeout_s, {})
-    return _train(p, kwargs, d, reporting, start)
+    start = Start(reporting.tracker, info, info_path, code, stop, p.settings.tracking.finish_timeout_s, {},
+                  ledger=ledger, mtbf_s=_mtbf(p, past, ledger))
+    reason = ledgers.FAILURE
+    try:
+        result = _train(p, kwargs, d, reporting, start)
+        reason = _end_reason(result.exit_code, stop)
+        return result
+    finally:
+        if ledger is not None:
+            ledger.end(reason, stop.received_at, stop.reason)
+
+
+def _start_ledger(p: JobPlan, info: Mapping[str, Any], d: Dist) -> Any:
+    """This start's goodput ledger (rank 0; None on the other ranks and for a short fit, which has no loop)."""
+    if not d.is_main or getattr(p.tf, "is_short", False):
+        return None
+    index = len(info["starts"]) - 1
+    last = info["starts"][-1]
+    facts = {"host": last.get("host"), "slurm_job_id": last.get("SLURM_JOB_ID"),
+             "slurm_restart_count": last.get("SLURM_RESTART_COUNT"), "world_size": d.world_size,
+             **slurm_queue_times(last.get("SLURM_JOB_ID"))}
+    return ledgers.StartLedger(ledgers.start_path(p.run_dir, index), index, facts)
+
+
+def _mtbf(p: JobPlan, past: Mapping[str, Any], ledger: Any) -> Any:
+    """M for ``job.eval_every=auto`` (seconds): the run's allocated time, this start's so far included, over
+    its unannounced interruptions (a kill, a lost node, a hang), or ``job.mtbf_h`` until it has seen one."""
+    default_s = float(p.settings.job.mtbf_h) * 3600.0
+    seen, allocated = int(past.get("unannounced") or 0), float(past.get("allocated_s") or 0.0)
+    if not seen:
+        return lambda: default_s
+    return lambda: (allocated + (ledger.now() if ledger is not None else 0.0)) / seen
+
+
+def _end_reason(exit_code: int, stop: StopRequest) -> str:
+    """The ledger's end reason of a start that returned ``exit_code``. A stop by SIGUSR2 (the job's
+    ``--signal`` ahead of its time limit) is the time limit; any other stop signal an eviction."""
+    import signal
+
+    if exit_code == 0:
+        return ledgers.FINISHED
+    if exit_code in (EXIT_EVICTED, EXIT_INTERRUPTED):
+        return ledgers.TIME_LIMIT if stop.signum == signal.SIGUSR2 else ledgers.EVICTED
+    return ledgers.FAILURE
 
 
 def _run_record(p: JobPlan, info_path: Path) -> dict[str, Any]:
@@ -229,7 +300,8 @@ def _record_start(p: JobPlan, info: dict[str, Any], info_path: Path, d: Dist) ->
     Raises:
         ConfigError: the image changed while pinned (before anything is written).
     """
-    start = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), **slurm_facts()}
+    start = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), "first_step": None,
+             **slurm_facts()}
     if d.enabled:
         start["world_size"] = d.world_size
     container = container_start()  # launcher.container: the image this start runs in (None without one)
@@ -304,7 +376,7 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
     from ..runtime.rng import seed_everything
     from ..runtime.run import Run
 
-    heartbeat, watchdog = _start_watchdog(p, d)
+    heartbeat, watchdog = _start_watchdog(p, d, reporting.state_dir, start.ledger)
 
     def make_run() -> Run:
         # Rank r draws from seed + r: dropout and augmentation differ across ranks (DDP copies rank 0's initial
@@ -315,7 +387,9 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
             return Run(run_dir=p.run_dir, run_key=p.key, steps=p.steps, epochs=p.epochs, eval_every=p.eval_every,
                        seed=p.seed, tracker=tracker, stop=stop, resume=p.resume, on_nonfinite=p.on_nonfinite,
                        progress=launcher.progress, progress_every_s=launcher.progress_every_s, dist=d,
-                       heartbeat=heartbeat)
+                       heartbeat=heartbeat, slow_rank_factor=float(p.settings.job.slow_rank_factor),
+                       on_loop_start=lambda first: _record_first_step(start, first, d), ledger=start.ledger,
+                       mtbf_s=start.mtbf_s, max_eval_interval_s=float(p.settings.job.max_eval_interval_s))
         except BaseException:
             tracker.close()
             raise
@@ -369,6 +443,15 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
         _stop_watchdog(heartbeat, watchdog)
 
 
+def _record_first_step(start: Start, first: int, d: Dist) -> None:
+    """Write this start's first step into its entry of ``run.json`` (rank 0) as its loop begins (a start that
+    fails before, in the function's set-up, has none): ``report`` marks restarts there, not by comparing wall
+    clocks of different hosts (a node whose clock is behind would put the mark at the wrong step)."""
+    start.info["starts"][-1]["first_step"] = int(first)
+    if d.is_main:
+        write_json_atomic(start.info_path, start.info)
+
+
 @contextlib.contextmanager
 def _watched(heartbeat: Any) -> Iterator[None]:
     """The training function's call, watched from its start (start-up counts from here, not from the job's own
@@ -393,19 +476,23 @@ def _stop_watchdog(heartbeat: Any, watchdog: Any) -> None:
         heartbeat.path.unlink(missing_ok=True)
 
 
-def _start_watchdog(p: JobPlan, d: Dist) -> tuple[Any, Any]:
+def _start_watchdog(p: JobPlan, d: Dist, state_dir: Path | None, ledger: Any = None) -> tuple[Any, Any]:
     """This rank's heartbeat and hang watchdog (:mod:`gwenlake_hpc.job.watchdog`), or ``(None, None)`` when
-    ``job.hang_timeout_s=0`` or the function is a short fit (no loop to beat)."""
+    ``job.hang_timeout_s=0`` or the function is a short fit (no loop to beat). ``state_dir``: the tracking
+    state folder where this rank reports (a hang's verdict goes to the MLflow run through it), else None;
+    ``ledger``: this start's goodput ledger (rank 0), where a hang is recorded as the start's end."""
     rule = p.hang_rule
     if not rule.enabled or getattr(p.tf, "is_short", False):
         return None, None
     from ..runtime.heartbeat import Heartbeat, heartbeat_dir
-    from .watchdog import Watchdog
+    from .watchdog import Watchdog, heartbeat_name, sweep_leftovers
 
-    heartbeat = Heartbeat(heartbeat_dir() / f"gwenlake-{os.getuid()}-{os.getpid()}-rank{d.rank}.heartbeat")
+    sweep_leftovers(p.run_dir, p.key, d.is_main)  # before the broadcast: no rank's files of this start exist yet
+    heartbeat = Heartbeat(heartbeat_dir() / heartbeat_name(p.key, d.rank))
     started = d.broadcast(time.strftime("%Y%m%d-%H%M%S"))  # one hangs/<start>/ folder for all ranks
     try:
-        return heartbeat, Watchdog(rule, p.run_dir, d.rank, heartbeat.path, started)
+        return heartbeat, Watchdog(rule, p.run_dir, d.rank, heartbeat.path, started, d.world_size, state_dir,
+                                   ledger.path if ledger is not None else None)
     except BaseException:
         heartbeat.close()
         heartbeat.path.unlink(missing_ok=True)

@@ -69,6 +69,8 @@ class Start:
         finish_timeout: seconds the end waits for tracking (``tracking.finish_timeout_s``).
         inputs: the Input datasets the function was given, by parameter name, set once it returned (their
             schema goes into the version's serving info).
+        ledger: this start's goodput ledger (:class:`gwenlake_hpc.runtime.ledger.StartLedger`, rank 0), or None.
+        mtbf_s: gives M for ``job.eval_every=auto`` (seconds), or None.
     """
 
     tracker: Any
@@ -78,6 +80,8 @@ class Start:
     stop: StopRequest
     finish_timeout: float
     inputs: dict[str, Any]
+    ledger: Any = None
+    mtbf_s: Any = None
 
 
 def finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
@@ -103,6 +107,7 @@ def finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
         log.warning("evicted at step %d (%s); newest checkpoint: %s; run the same job again to resume",
                     run.step, start.stop.reason, ck.path if ck else "none")
         tracker.set_tags({EVICTED_TAG: str(run.step)})
+        goodput_totals(p, run, start, evicted=True)
         tracker.finish("KILLED", timeout_s=min(finish_timeout, 20.0))
         return JobResult(EXIT_EVICTED, None, p.run_dir, run.step)
     metrics = _checked_metrics(p, run, result, start)
@@ -112,6 +117,7 @@ def finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
     if p.tracking_on and tracker.run_id is None:  # short runs, a slow store: the version should name its run
         tracker.wait_attached(min(finish_timeout, 30.0))
     lineage = _lineage(p, run, start)
+    lineage["goodput"] = goodput_totals(p, run, start)
     committed = _commit(p, run, metrics, lineage, start)
     if committed is None:
         tracker.finish("FAILED", timeout_s=finish_timeout)
@@ -124,6 +130,28 @@ def finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
         tracking_uri=p.tracking_uri if p.tracking_on else None, run_id=tracker.run_id if p.tracking_on else None,
         metrics=metrics, state_dir=tracker.state_dir if p.tracking_on else None, defer=p.tracking_on), version)
     return JobResult(0, version, p.run_dir, run.step)
+
+
+def goodput_totals(p: JobPlan, run: Run, start: Start, evicted: bool = False) -> dict[str, Any] | None:
+    """The run's goodput ledger added up over its starts, this one ending now (finished, or evicted), logged
+    to the MLflow run as ``goodput/*`` at the run's step (``goodput/goodput`` 0..1, ``goodput/<part>_s``
+    seconds, ``goodput/lost_steps``, ``goodput/starts``, ``goodput/unannounced``) and returned for the
+    version's lineage (:func:`gwenlake_hpc.runtime.ledger.summarize`). None without a ledger (rank 0 keeps it)."""
+    from ..runtime import ledger as ledgers
+
+    if start.ledger is None:
+        return None
+    start.ledger.flush()
+    recs = ledgers.read_ledger(p.run_dir)
+    if recs:
+        recs[-1]["end"] = ledgers.EVICTED if evicted else ledgers.FINISHED
+    totals = ledgers.summarize(recs)
+    values = {f"goodput/{k}": float(totals[k]) for k in ("allocated_s", *ledgers.PARTS, "lost_steps", "starts",
+                                                          "unannounced", "drain_s")}
+    if totals["goodput"] is not None:
+        values["goodput/goodput"] = float(totals["goodput"])
+    start.tracker.log_metrics(values, run.step)
+    return totals
 
 
 def _checked_metrics(p: JobPlan, run: Run, result: Any, start: Start) -> dict[str, float] | None:

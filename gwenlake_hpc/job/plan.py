@@ -139,8 +139,10 @@ class JobPlan:
         return self.settings.job.epochs
 
     @property
-    def eval_every(self) -> int:
-        return int(self.settings.job.eval_every)  # type: ignore[arg-type]
+    def eval_every(self) -> int | str:
+        """``job.eval_every``: a whole number of steps, or ``"auto"`` (:mod:`gwenlake_hpc.runtime.interval`)."""
+        every = self.settings.job.eval_every
+        return every if every == "auto" else int(every)  # type: ignore[arg-type]
 
     @property
     def seed(self) -> int:

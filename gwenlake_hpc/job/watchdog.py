@@ -12,12 +12,17 @@ Responsibilities:
 - the process (:func:`watch`, ``python -m gwenlake_hpc.job.watchdog``): reads the rank's heartbeat
   (:mod:`gwenlake_hpc.runtime.heartbeat`) once a second; on a hang it signals the dump, writes
   ``<run_dir>/hangs/<start>/rank<r>.txt`` (host, rank, step, phase, how long silent, the limit, the stacks) and
-  ``verdict-rank<r>.json``, prints the verdict line (the rank, its host, where its main thread is, the innermost
-  frame outside the libraries) and SIGKILLs the rank, whose job step then ends killed by a signal: the SLURM
-  teardown requeues it within ``launcher.max_retries`` (it resumes from the newest sealed checkpoint).
+  ``verdict-rank<r>.json``, and in a multi-rank job makes ``hangs/.request-<start>``, on which every other
+  rank's watchdog (polling for it once its own rank has been silent a while) takes its own rank's stacks too. After gathering the ranks' records
+  (:func:`gather_window_s`) one watchdog writes the job's verdict (:mod:`gwenlake_hpc.job.hang_report`: the
+  ranks that stopped first, their host, where they are), prints it and queues it for the MLflow run; then each
+  SIGKILLs its rank, whose job step ends killed by a signal: the SLURM teardown requeues it within
+  ``launcher.max_retries`` (it resumes from the newest sealed checkpoint), unless the start before hung at the
+  same step (:mod:`gwenlake_hpc.launch.requeue`).
 
-No false alarms: a rank stopped by SIGSTOP (``T`` in ``/proc``) is not silent while stopped, and a gap in the
-watchdog's own polling (the whole job stopped, the machine suspended) is not counted either. It ends when its
+No false alarms: a rank stopped by SIGSTOP (``T`` in ``/proc``) is not silent while stopped, nor are the other
+ranks of its job, which wait for it (its watchdog marks it, ``hangs/.stopped-<start>-rank<r>``), and a gap in
+the watchdog's own polling (the whole job stopped, the machine suspended) is not counted either. It ends when its
 standard input closes: the training ended, however it ended.
 """
 
@@ -26,21 +31,24 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import math
 import os
-import re
 import select
 import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..base.errors import ConfigError
+from ..base.fsutil import write_json_atomic
 from ..base.processes import shield_children
 from ..runtime import heartbeat as hb
+from ..runtime.ranks import node_name
+from . import hang_report as report
 
 log = logging.getLogger("gwenlake_hpc.watchdog")
 
@@ -59,6 +67,12 @@ AUTO_LONG_S = 1800.0
 AUTO_STARTUP_S = 3600.0
 #: A number N: start-up, checkpoint and evaluation steps may last this many times N.
 LONG_FACTOR = 3.0
+#: Rank 0's watchdog writes the rank's step and when it began to ``<run_dir>/progress.json`` at most this often
+#: (seconds): what ``status`` shows as a running job's last step and its age.
+PROGRESS_EVERY_S = 5.0
+PROGRESS_FILE = "progress.json"
+#: Times a watchdog process that ended while its training runs is started again.
+RESTARTS = 3
 
 
 @dataclass(frozen=True)
@@ -117,46 +131,111 @@ class Watchdog:
         rule: the hang rule. run_dir: the run's directory (``hangs/`` goes there). rank: this process's rank.
         heartbeat: the rank's heartbeat file (made by the caller, written by the Run).
         started: this start's name, the same on every rank (``hangs/<started>/``).
+        world_size: the job's ranks (their watchdogs gather their records into one verdict).
+        tracking_state_dir: the MLflow run's state folder where this rank reports (rank 0), else None: the
+        verdict is queued there for the run (the tag ``gwenlake.hang``, the stack files as artifacts).
+        ledger: this start's goodput ledger file (rank 0, :mod:`gwenlake_hpc.runtime.ledger`), else None: once
+        the rank is killed, its end is recorded there as ``hang``.
+
+    A watchdog process that ends while the training runs (killed by hand, out of memory) is started again, with
+    a warning, up to :data:`RESTARTS` times: a thread of the training waits on it (no cost to the loop).
     """
 
-    def __init__(self, rule: HangRule, run_dir: Path, rank: int, heartbeat: Path, started: str):
+    def __init__(self, rule: HangRule, run_dir: Path, rank: int, heartbeat: Path, started: str,
+                 world_size: int = 1, tracking_state_dir: Path | None = None, ledger: Path | None = None):
         self.rule, self.run_dir, self.rank, self.heartbeat = rule, Path(run_dir), rank, Path(heartbeat)
         hangs = self.run_dir / "hangs"
         hangs.mkdir(parents=True, exist_ok=True)
         self.dump_path = hangs / f".stacks-rank{rank:05d}-{os.getpid()}.txt"
         self._dump = open(self.dump_path, "w")
         faulthandler.register(DUMP_SIGNAL, file=self._dump, all_threads=True, chain=False)
-        spec = {"rule": asdict(rule), "run_dir": str(self.run_dir), "rank": rank, "pid": os.getpid(),
-                "heartbeat": str(self.heartbeat), "dump": str(self.dump_path), "host": socket.gethostname(),
-                "started": started}
+        self._spec = {"rule": asdict(rule), "run_dir": str(self.run_dir), "rank": rank, "pid": os.getpid(),
+                      "heartbeat": str(self.heartbeat), "dump": str(self.dump_path),
+                      "host": node_name(), "started": started,
+                      "world_size": int(world_size),
+                      "tracking_state_dir": str(tracking_state_dir) if tracking_state_dir else None,
+                      "ledger": str(ledger) if ledger else None}
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._proc = self._spawn()
+        threading.Thread(target=self._guard, name="gwenlake-watchdog-guard", daemon=True).start()
+
+    def _spawn(self) -> subprocess.Popen:
         with shield_children():  # an eviction's SIGTERM must not end the watchdog before the training
-            self._proc = subprocess.Popen([sys.executable, "-m", "gwenlake_hpc.job.watchdog"],
-                                          stdin=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert self._proc.stdin is not None
-        self._proc.stdin.write((json.dumps(spec) + "\n").encode())
-        self._proc.stdin.flush()
+            proc = subprocess.Popen([sys.executable, "-m", "gwenlake_hpc.job.watchdog"],
+                                    stdin=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.stdin is not None
+        proc.stdin.write((json.dumps(self._spec) + "\n").encode())
+        proc.stdin.flush()
+        return proc
+
+    def _guard(self) -> None:
+        for attempt in range(RESTARTS + 1):
+            status = self._proc.wait()
+            with self._lock:
+                if self._stopping:
+                    return
+                if attempt == RESTARTS:
+                    log.warning("the hang watchdog of rank %d ended again (status %s): this rank's hangs are no "
+                                "longer watched", self.rank, status)
+                    return
+                log.warning("the hang watchdog of rank %d ended (status %s) while the training runs: started "
+                            "again (%d of %d)", self.rank, status, attempt + 1, RESTARTS)
+                self._proc = self._spawn()
 
     def stop(self) -> None:
         """End the watchdog (it reads the end of its standard input) and drop the dump file if unused."""
+        with self._lock:
+            self._stopping = True
+            proc = self._proc
         try:
-            if self._proc.stdin is not None:
-                self._proc.stdin.close()
-            self._proc.wait(timeout=10)
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(timeout=10)
         except (OSError, subprocess.TimeoutExpired):
-            self._proc.kill()
+            proc.kill()
         faulthandler.unregister(DUMP_SIGNAL)
         self._dump.close()
         if self.dump_path.exists() and self.dump_path.stat().st_size == 0:
             self.dump_path.unlink()
 
 
+def heartbeat_name(run_key: str, rank: int) -> str:
+    """This process's heartbeat file name (in :func:`~gwenlake_hpc.runtime.heartbeat.heartbeat_dir`): the user,
+    the run, the process and the rank."""
+    return f"gwenlake-{os.getuid()}-{run_key}-{os.getpid()}-rank{rank}.heartbeat"
+
+
+def sweep_leftovers(run_dir: Path, run_key: str, is_main: bool) -> None:
+    """Before a start's watchdogs: remove what killed ranks of earlier starts of this run left (a rank SIGKILLed
+    with its watchdog, by ``scancel`` or srun, cannot): this run's heartbeats on this node whose process is gone,
+    and, on rank 0 (one start of a run trains at a time: the run lock), the run's stack scratch files and
+    markers (``hangs/.stacks-*``, ``.stopped-*``, ``.request-*``)."""
+    prefix = f"gwenlake-{os.getuid()}-{run_key}-"
+    for path in hb.heartbeat_dir().glob(f"{prefix}*-rank*.heartbeat"):
+        try:
+            os.kill(int(path.name[len(prefix):].split("-")[0]), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except (ValueError, OSError):
+            continue
+    if is_main:
+        for pattern in (".stacks-*", ".stopped-*", ".request-*"):
+            for path in (Path(run_dir) / "hangs").glob(pattern):
+                path.unlink(missing_ok=True)
+
+
+def _proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, parent pid, ...); None when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
 def _stopped(pid: int) -> bool:
     """True while process ``pid`` is stopped (SIGSTOP, a debugger): its state in ``/proc`` is T or t."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[:1] in (["T"], ["t"])
+    return (_proc_stat(pid) or [""])[0] in ("T", "t")
 
 
 def _alive(pid: int) -> bool:
@@ -167,38 +246,21 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[:1] != ["Z"]
-    except OSError:
-        return False
+    fields = _proc_stat(pid)
+    return fields is not None and fields[:1] != ["Z"]
 
 
-_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<fn>\S+)')
-_LIBRARIES = ("site-packages", "dist-packages", "/lib/python", "gwenlake_hpc/")
-
-
-def where(stacks: str, thread_id: int) -> tuple[str | None, str | None]:
-    """``(innermost frame of the main thread, innermost frame outside the libraries)`` of a faulthandler dump
-    (``file:line in function``), None where not found. The main thread is ``thread_id`` (its ident)."""
-    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stacks)
-    wanted = f"0x{thread_id:016x}"
-    block = next((b for b in blocks if b.strip() and wanted in b.splitlines()[0]), blocks[0])
-    frames = [m for m in (_FRAME.match(line) for line in block.splitlines()) if m]
-    text = [f"{m['file']}:{m['line']} in {m['fn']}" for m in frames]
-    user = next((t for t, m in zip(text, frames)
-                 if not m["file"].startswith("<") and not any(s in m["file"] for s in _LIBRARIES)), None)
-    return (text[0] if text else None), user
-
-
-def _on_hang(spec: Mapping[str, Any], beat: hb.Beat, silent_s: float, limit_s: float) -> bool:
-    """Dump the rank's stacks, write the hang record and the verdict, SIGKILL the rank; False (nothing ended)
-    when the rank made progress meanwhile (the dump's signal can end a blocking call early)."""
+def _take(spec: Mapping[str, Any], beat: hb.Beat | None, silent_s: float, limit_s: float,
+          detected: bool) -> dict[str, Any] | None:
+    """Dump the rank's stacks and write its record (``hangs/<start>/rank<r>.txt``, ``verdict-rank<r>.json``);
+    None (nothing written) when ``detected`` (its own limit passed) and the rank made progress meanwhile (the
+    dump's signal can end a blocking call early). ``detected`` False: another rank's watchdog asked for it."""
     pid, rank, dump = int(spec["pid"]), int(spec["rank"]), Path(spec["dump"])
     before = dump.stat().st_size if dump.exists() else 0
     try:
         os.kill(pid, DUMP_SIGNAL)
     except ProcessLookupError:
-        return True
+        return None
     deadline, size = time.monotonic() + 5.0, -1
     while time.monotonic() < deadline:  # faulthandler writes at once; wait until the file stops growing
         time.sleep(0.2)
@@ -207,31 +269,66 @@ def _on_hang(spec: Mapping[str, Any], beat: hb.Beat, silent_s: float, limit_s: f
             break
         size = now
     stacks = dump.read_text(errors="replace")[before:] if dump.exists() else ""
-    now = hb.read(Path(spec["heartbeat"]))
-    if now is not None and now.count != beat.count:
+    now_beat = hb.read(Path(spec["heartbeat"]))
+    if detected and beat is not None and now_beat is not None and now_beat.count != beat.count:
         print(f"gwenlake_hpc: hang watchdog: rank {rank} on {spec['host']} was silent for {silent_s:.0f} s in step "
               f"{beat.step} and went on after its stacks were taken: not ended", file=sys.stderr, flush=True)
-        return False
-    folder = Path(spec["run_dir"]) / "hangs" / str(spec["started"])
+        return None
+    folder = _folder(spec)
     folder.mkdir(parents=True, exist_ok=True)
-    phase = hb.PHASE_NAMES.get(beat.phase, str(beat.phase)) + (" (evaluation step)" if beat.at_eval else "") + (
-        " (first step)" if beat.first else "")
-    head = (f"host {spec['host']}\nrank {rank}\npid {pid}\nstep {beat.step}\nphase {phase}\n"
-            f"silent {silent_s:.1f} s\nlimit {limit_s:.1f} s\n\n")
+    step = beat.step if beat is not None else 0
+    phase = (hb.PHASE_NAMES.get(beat.phase, str(beat.phase)) if beat is not None else "unknown") + (
+        " (evaluation step)" if beat is not None and beat.at_eval else "") + (
+        " (first step)" if beat is not None and beat.first else "")
+    head = (f"host {spec['host']}\nrank {rank}\npid {pid}\nstep {step}\nphase {phase}\n"
+            f"silent {silent_s:.1f} s\nlimit {limit_s:.1f} s\n"
+            f"found by {'this rank' if detected else 'another rank'}'s watchdog\n\n")
     stack_file = folder / f"rank{rank}.txt"
     stack_file.write_text(head + (stacks or "(no stacks: the process did not answer the dump signal)\n"))
-    main, user = where(stacks, beat.thread_id)
-    verdict = {"rank": rank, "host": spec["host"], "pid": pid, "step": beat.step, "phase": phase,
-               "silent_s": round(silent_s, 1), "limit_s": round(limit_s, 1), "main_thread_at": main,
-               "user_code_at": user, "stacks": str(stack_file), "time": time.time()}
-    (folder / f"verdict-rank{rank}.json").write_text(json.dumps(verdict, indent=1))
+    thread_id = beat.thread_id if beat is not None else 0
+    main, user = report.where(stacks, thread_id)
+    record = {"rank": rank, "host": spec["host"], "pid": pid, "step": step, "phase": phase,
+              "silent_s": math.ceil(silent_s * 10) / 10, "limit_s": round(limit_s, 1), "detected": detected,
+              "activity": report.activity(stacks, thread_id), "main_thread_at": main, "user_code_at": user,
+              "stacks": str(stack_file), "time": time.time()}
+    report.write_record(folder, record)
     at = f"its main thread is at {main}" if main else "its stacks could not be read"
-    if user and user != main:
-        at += f" (in your code: {user})"
-    print(f"gwenlake_hpc: hang: rank {rank} on {spec['host']} made no progress for {silent_s:.0f} s in step "
-          f"{beat.step} ({phase}; the limit is {limit_s:.0f} s, job.hang_timeout_s): {at}; all threads' stacks: "
-          f"{stack_file}; ending it (the job step fails killed, a SLURM job is requeued and resumes from its "
-          "newest checkpoint)", file=sys.stderr, flush=True)
+    print(f"gwenlake_hpc: hang watchdog: rank {rank} on {spec['host']}: no progress for {silent_s:.0f} s in step "
+          f"{step} ({phase}; limit {limit_s:.0f} s), {record['activity']}: {at}; stacks: {stack_file}",
+          file=sys.stderr, flush=True)
+    return record
+
+
+def _folder(spec: Mapping[str, Any]) -> Path:
+    """This start's ``<run_dir>/hangs/<start>/`` (the same for every rank)."""
+    return Path(spec["run_dir"]) / "hangs" / str(spec["started"])
+
+
+def gather_window_s(limit_s: float) -> float:
+    """Seconds a watchdog waits for the other ranks' records before it ends its rank: every rank's watchdog
+    takes its stacks within about a second of the request, a lost node's never (10-60 s)."""
+    return min(60.0, max(10.0, limit_s / 4))
+
+
+def _end(spec: Mapping[str, Any], record: Mapping[str, Any], limit_s: float) -> None:
+    """Wait for the other ranks' records, report the job's verdict (one watchdog does, rank 0's when it can),
+    then SIGKILL the rank and its children."""
+    folder, world = _folder(spec), int(spec.get("world_size", 1))
+    records = report.gather(folder, world, gather_window_s(limit_s)) if world > 1 else [dict(record)]
+    if int(record["rank"]) != 0 and world > 1:
+        time.sleep(2.0)  # rank 0's watchdog reports first when it is there (it holds the tracking folder)
+    verdict = report.joint_verdict(records or [dict(record)], folder)
+    if report.publish_verdict(folder, verdict):
+        print(verdict["line"], file=sys.stderr, flush=True)
+        state_dir = spec.get("tracking_state_dir")
+        if state_dir:
+            try:
+                report.queue_for_tracking(Path(state_dir), folder, verdict)
+            except OSError as exc:
+                print(f"gwenlake_hpc: hang watchdog: could not queue the hang for MLflow: {exc}", file=sys.stderr,
+                      flush=True)
+    pid = int(spec["pid"])
+    _clean(spec, killing=True)  # before the kill: srun may end this watchdog with the step
     children = _children(pid)  # DataLoader workers and the like: read before the rank dies (then reparented)
     for target in [pid, *children]:
         try:
@@ -241,31 +338,32 @@ def _on_hang(spec: Mapping[str, Any], beat: hb.Beat, silent_s: float, limit_s: f
     deadline = time.monotonic() + 5.0
     while _alive(pid) and time.monotonic() < deadline:  # so that its files can be removed (watch's end)
         time.sleep(0.1)
-    return True
+    if spec.get("ledger"):  # rank 0's goodput ledger: its start ended by a hang (the rank can no longer say so)
+        from ..runtime.ledger import append_end
+
+        try:
+            append_end(spec["ledger"], "hang")
+        except OSError as exc:
+            print(f"gwenlake_hpc: hang watchdog: could not record the hang in the ledger: {exc}", file=sys.stderr,
+                  flush=True)
 
 
 def _children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (from ``/proc``; this watchdog excepted)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rpartition(")")[2].split()
-        if len(fields) > 1 and fields[1] == str(pid):
-            found.append(int(entry))
-    return found
+    mine = os.getpid()
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != mine
+            and ((_proc_stat(e) or [])[1:2] == [str(pid)])]
 
 
-def _clean(spec: Mapping[str, Any]) -> None:
-    """The rank's heartbeat file and its unused stack file, once the rank is gone (a killed rank cannot)."""
+def _clean(spec: Mapping[str, Any], killing: bool = False) -> None:
+    """The rank's heartbeat file, its stack scratch file (its stacks are in ``rank<r>.txt`` once taken) and its
+    stopped marker, once the rank is gone or about to be killed (a killed rank cannot remove them)."""
     Path(spec["heartbeat"]).unlink(missing_ok=True)
+    hangs = Path(spec["run_dir"]) / "hangs"
+    (hangs / f".stopped-{spec['started']}-rank{int(spec['rank'])}").unlink(missing_ok=True)
     dump = Path(spec["dump"])
     try:
-        if dump.stat().st_size == 0 or not _alive(int(spec["pid"])):
+        if killing or dump.stat().st_size == 0 or not _alive(int(spec["pid"])):
             dump.unlink()
     except OSError:
         pass
@@ -283,7 +381,13 @@ def watch(spec: Mapping[str, Any], stdin: Any) -> int:
 
 def _watch(spec: Mapping[str, Any], stdin: Any) -> int:
     rule = HangRule(**spec["rule"])
-    pid, path = int(spec["pid"]), Path(spec["heartbeat"])
+    pid, path, rank = int(spec["pid"]), Path(spec["heartbeat"]), int(spec["rank"])
+    shared = int(spec.get("world_size", 1)) > 1
+    hangs, started = Path(spec["run_dir"]) / "hangs", str(spec["started"])
+    request, stopped_mark = hangs / f".request-{started}", hangs / f".stopped-{started}-rank{rank}"
+    progress = Path(spec["run_dir"]) / PROGRESS_FILE if rank == 0 else None
+    written, written_step = -PROGRESS_EVERY_S, 0
+    marked = False  # whether this rank's stopped marker is there (changed only when the state does)
     last: hb.Beat | None = None
     since = time.monotonic_ns()  # when the rank was last seen making progress (or stopped)
     steps: list[float] = []  # recent step durations (s): between two readings, the time per step started
@@ -299,17 +403,66 @@ def _watch(spec: Mapping[str, Any], stdin: Any) -> int:
         beat = hb.read(path)
         if beat is None or beat.phase == hb.DONE:
             continue
-        if last is None or beat.count != last.count:
+        stopped = _stopped(pid)
+        if shared and stopped != marked:  # the other ranks' watchdogs must know: their ranks wait for this one
+            marked = _mark(stopped_mark, stopped)
+        if last is None or beat.count != last.count:  # progress, seen now (to within a poll: beats hold no time)
+            seen = time.monotonic_ns()
             if last is not None and last.phase == hb.STEP and beat.phase == hb.STEP and beat.step > last.step:
-                steps = (steps + [(beat.beat_ns - last.beat_ns) / 1e9 / (beat.step - last.step)])[-100:]
-            last, since = beat, beat.beat_ns
+                steps = (steps + [(seen - since) / 1e9 / (beat.step - last.step)])[-100:]
+            last, since = beat, seen
+            if progress is not None and now - written >= PROGRESS_EVERY_S and beat.step > written_step:
+                written, written_step = now, beat.step
+                _write_progress(progress, beat.step, time.time())
             continue
-        if _stopped(pid) or gap > 5 * POLL_S:  # stopped, or this watchdog was: not silence
-            since += int(gap * 1e9)
-        silent = (time.monotonic_ns() - since) / 1e9
         limit = rule.limit(beat, max(steps, default=0.0))
-        if silent > limit and _on_hang(spec, beat, silent, limit):
-            return 0
+        # Only a rank silent for a while reads the shared folder (a listing a second): a peer stopped, a request.
+        names = _names(hangs) if shared and (time.monotonic_ns() - since) / 1e9 > min(limit / 4, 10.0) else set()
+        peer_stopped = any(n.startswith(f".stopped-{started}-rank") for n in names - {stopped_mark.name})
+        if stopped or peer_stopped or gap > 5 * POLL_S:  # stopped (this rank, another, this watchdog): no silence
+            since = min(since + int(gap * 1e9), time.monotonic_ns())
+        silent = max(0.0, (time.monotonic_ns() - since) / 1e9)
+        if silent > limit:
+            record = _take(spec, beat, silent, limit, detected=True)
+            if record is not None:
+                if shared:
+                    request.touch()  # the other ranks' watchdogs take their stacks now (they poll for it)
+                _end(spec, record, limit)
+                return 0
+        elif request.name in names:  # another rank hung: this one's stacks, then its end
+            record = _take(spec, beat, silent, limit, detected=False)
+            if record is not None:
+                _end(spec, record, limit)
+                return 0
+
+
+def _names(folder: Path) -> set[str]:
+    try:
+        return set(os.listdir(folder))
+    except OSError:
+        return set()
+
+
+def _mark(path: Path, present: bool) -> bool:
+    """Make or remove the marker ``path``; returns whether it is there now (best effort: a shared folder that
+    fails is no hang, and the next poll tries again)."""
+    try:
+        if present:
+            path.touch()
+        else:
+            path.unlink(missing_ok=True)
+        return present
+    except OSError:
+        return not present
+
+
+def _write_progress(path: Path, step: int, when: float) -> None:
+    """``<run_dir>/progress.json``: the rank's step and when it began (Unix s), written durably; what ``status``
+    shows of a running job. A failure to write it is no hang's business (a status hint)."""
+    try:
+        write_json_atomic(path, {"step": step, "time": round(when, 3)})
+    except OSError as exc:
+        log.debug("could not write %s: %s", path, exc)
 
 
 def main() -> int:

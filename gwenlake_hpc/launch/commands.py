@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..base.errors import ConfigError, GwenlakeError
 from .records import job_records
-from .status import FINAL_STATES, JobStatus, job_status, scancel, slurm_state
+from .status import FINAL_STATES, JobStatus, goodput_facts, job_status, live_facts, scancel, slurm_state
 
 
 def any_job_status(record: dict) -> JobStatus:
@@ -46,7 +46,9 @@ def print_status(runs_root: Path, include_old: bool = False) -> int:
               f"{'' if s.step is None else s.step:>8}  {s.tracking_run_id or '-':<32}  "
               f"{r['model']}/{Path(r['run_dir']).name}" + (f"  version {s.version[:12]}" if s.version else "")
               + (f"  on {r['cluster']}" if r.get("cluster") else "")
-              + (f"  ended by {s.ended_by}: {s.reason}" if s.ended_by else ""))
+              + (f"  ended by {s.ended_by}: {s.reason}" if s.ended_by else "")
+              + (f"  {live}" if s.state == "RUNNING" and (live := live_facts(Path(r["run_dir"]))) else "")
+              + (f"  {gp}" if (gp := goodput_facts(Path(r["run_dir"]), s.state)) else ""))
     return 0
 
 

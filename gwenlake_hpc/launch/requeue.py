@@ -21,6 +21,11 @@ The teardown keeps the job's own record, ``<run dir>/slurm/<job>/teardown.json``
 start's exit status, newest sealed step, whether it advanced it, the decision and the rule that ended the job,
 the starts without progress in a row, and the version of a start that finished. ``status`` reads it.
 
+A start ended by the hang watchdog (:mod:`gwenlake_hpc.job.watchdog`: the step killed, a new
+``<run dir>/hangs/<start>/verdict.json``) is requeued like any killed step, within the same budgets, unless the
+start before it in this job hung at the same step: a hang that recurs at one step is deterministic (a deadlock
+in the code, a corrupt sample) and the job ends FAILED, naming the stacks, with no third start.
+
 ``--secrets FILE`` (the job's 0600 file of secret values) is removed once the job ends for good (finished,
 failed, out of budget, or ended by SLURM without a requeue: scancel, SLURM's own time limit) and kept across
 requeues.
@@ -83,7 +88,8 @@ def parse_slurm_time(text: str) -> int | None:
 
 
 def decide(rc: int, restarts: int, max_retries: int, remaining_s: int | None, signal_delay_s: int,
-           state: str | None = None, stalled: int | None = None, max_starts: int = DEFAULT_MAX_STARTS) -> Decision:
+           state: str | None = None, stalled: int | None = None, max_starts: int = DEFAULT_MAX_STARTS,
+           hang: dict | None = None, previous_hang: dict | None = None) -> Decision:
     """What to do after the job step ended with status ``rc``.
 
     Args:
@@ -98,6 +104,8 @@ def decide(rc: int, restarts: int, max_retries: int, remaining_s: int | None, si
         stalled: starts in a row, this one included, that sealed no newer checkpoint (0: this one did); None
             when unknown, counted as ``restarts + 1`` (every start without progress).
         max_starts: the launcher's ``max_starts``: starts in all; the one numbered ``max_starts`` is the last.
+        hang: this start's hang (:func:`new_hang`: ``{"folder", "step"}``), None when it did not hang;
+            ``previous_hang``: the hang of the start before it in this job, if any.
     """
     if rc == 0:
         return Decision("done", "the training finished")
@@ -117,6 +125,13 @@ def decide(rc: int, restarts: int, max_retries: int, remaining_s: int | None, si
         return Decision("leave", f"evicted with {remaining_s} s left: a preemption or a cancel, SLURM decides")
     if rc > 128 or rc < 0:
         sig = rc - 128 if rc > 128 else -rc
+        if hang is not None:
+            where = f"hang at step {hang['step']} (stacks: {hang['folder']}/rank*.txt)"
+            if previous_hang is not None and previous_hang.get("step") == hang["step"]:
+                return Decision("fail", f"{where}: the start before hung at the same step, so the hang recurs "
+                                        "there: not requeued (fix the code or data at that step; the stacks show "
+                                        "where every rank stood)", "job.hang_timeout_s")
+            return _budget(where, restarts, max_retries, stalled, max_starts)
         return _budget(f"job step killed by signal {sig} (out of memory or killed)", restarts, max_retries, stalled,
                        max_starts)
     return Decision("fail", f"the training failed with exit status {rc} (traceback above)")
@@ -159,6 +174,35 @@ def newest_sealed(run_dir: Path) -> tuple[int, float] | None:
             return step, float(created) if isinstance(created, (int, float)) else manifest_path.stat().st_mtime
         except (OSError, ValueError):
             continue
+    return None
+
+
+def new_hang(run_dir: Path, record: dict, started: float | None) -> dict | None:
+    """This start's hang: the newest ``<run_dir>/hangs/<start>/verdict.json`` (the hang watchdog's, see
+    :mod:`gwenlake_hpc.job.hang_report`) that no earlier start in ``record`` claimed and that was written after
+    ``started`` (the batch script's start, Unix s: a hang comes at least a step's limit after it, far more than
+    two nodes' clocks differ), as ``{"folder": its folder, "step": the step where the first rank stopped}``;
+    None when there is none."""
+    claimed = {(s.get("hang") or {}).get("folder") for s in record.get("starts", []) if isinstance(s, dict)}
+    root = Path(run_dir) / "hangs"
+    try:
+        names = sorted(os.listdir(root), reverse=True)  # <start> is YYYYmmdd-HHMMSS: newest first
+    except OSError:
+        return None
+    for name in names:
+        folder = root / name
+        if str(folder) in claimed:
+            return None  # the newest hang is an earlier start's: this one did not hang
+        try:
+            verdict = json.loads((folder / "verdict.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(verdict, dict) or not isinstance(verdict.get("step"), int):
+            continue
+        written = verdict.get("time")
+        if started is not None and isinstance(written, (int, float)) and written < started:
+            return None  # an earlier job's hang (another submission of this run)
+        return {"folder": str(folder), "step": verdict["step"]}
     return None
 
 
@@ -277,6 +321,26 @@ def _completed_version(run_dir: Path) -> str | None:
         return None
 
 
+def _mark_run_failed(run_dir: Path) -> None:
+    """A killed training that is not started again cannot end its MLflow run: mark it FAILED (and deliver what
+    its spool holds) through ``gwenlake_hpc.stores.tracking.delivery.sync``, where this Python has gwenlake_hpc
+    and the run reported to MLflow. Best effort: ``tracking sync`` does the same by hand."""
+    import importlib.util
+
+    if not (run_dir / "tracking" / "run_id").is_file():
+        return
+    if importlib.util.find_spec("gwenlake_hpc") is None:
+        log.info("the MLflow run stays RUNNING: run `python -m gwenlake_hpc tracking sync %s` where gwenlake_hpc "
+                 "is installed", run_dir)
+        return
+    try:
+        proc = subprocess.run([sys.executable, "-m", "gwenlake_hpc.stores.tracking.delivery.sync", str(run_dir),
+                               "--status", "FAILED", "--timeout", "60"], capture_output=True, text=True, timeout=120)
+        log.info("MLflow run marked FAILED%s", "" if proc.returncode == 0 else f" (incomplete: {proc.stderr[-300:]})")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("could not mark the MLflow run FAILED: %s", exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m gwenlake_hpc.launch.requeue --rc RC --max-retries N --signal-delay S [--max-starts M]
     [--started UNIX_S] [--run-dir DIR] [--secrets FILE]``; returns the job's exit status."""
@@ -300,7 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     progressed = _progressed(newest, record, started) if run_dir is not None else None
     before = int(record.get("stalled") or 0)
     stalled = None if progressed is None else 0 if progressed else before + 1
-    d = decide(a.rc, restarts, a.max_retries, remaining, a.signal_delay, state, stalled, a.max_starts)
+    hang = new_hang(run_dir, record, started) if run_dir is not None and (a.rc > 128 or a.rc < 0) else None
+    starts = [s for s in record.get("starts", []) if isinstance(s, dict)]
+    previous_hang = starts[-1].get("hang") if starts else None
+    d = decide(a.rc, restarts, a.max_retries, remaining, a.signal_delay, state, stalled, a.max_starts, hang,
+               previous_hang)
     log.info("job %s step ended with status %d: %s", ref, a.rc, d.reason)
     status = 0 if d.action == "done" else (a.rc if a.rc > 0 else 1)
     requeued = False
@@ -318,13 +386,15 @@ def main(argv: list[str] | None = None) -> int:
         record.setdefault("starts", []).append({
             "restart": restarts, "rc": a.rc, "started": started, "ended": time.time(), "state": state,
             "newest_step": newest[0] if newest else None, "progressed": progressed, "action": d.action,
-            "reason": d.reason, "rule": d.rule, "final": final})
+            "reason": d.reason, "rule": d.rule, "final": final, "hang": hang})
         if d.action == "done":
             record["version"] = _completed_version(run_dir)
         try:
             _write_record(record_path(run_dir, ref), record)
         except OSError as exc:  # the decision stands without its record
             log.warning("could not write the job's record under %s: %s", run_dir, exc)
+    if final and d.action == "fail" and run_dir is not None and (a.rc > 128 or a.rc < 0):
+        _mark_run_failed(run_dir)
     if final and a.secrets:
         try:
             os.unlink(a.secrets)

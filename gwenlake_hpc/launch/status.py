@@ -147,6 +147,45 @@ def job_status(record: dict, known: tuple[str, int | None] | None = None) -> Job
                      ended_by=last.get("rule"), reason=last.get("reason"))
 
 
+def live_facts(run_dir: Path, now: float | None = None) -> str:
+    """What a running job's rank 0 last wrote: ``last step 340 12 s ago`` (``<run_dir>/progress.json``, written by
+    rank 0's hang watchdog at most every 5 s while steps advance; none with ``job.hang_timeout_s=0``) and, in a
+    multi-rank run, ``slowest rank 1 on n2 (1.62x the others' median, step 300)`` (``ranks.json``, at each
+    evaluation). Ages compare the node's clock with this host's (NTP keeps them
+    within far less than a second). "" when neither file is there."""
+    import json
+
+    from ..job.watchdog import PROGRESS_FILE
+    from ..runtime.ranks import read_ranks
+
+    parts = []
+    try:
+        prog = json.loads((Path(run_dir) / PROGRESS_FILE).read_text())
+        age = max(0.0, (time.time() if now is None else now) - float(prog["time"]))
+        parts.append(f"last step {int(prog['step'])} {age:.0f} s ago")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    ranks = read_ranks(run_dir)
+    if ranks and isinstance(ranks.get("ratio"), (int, float)):
+        slow = ranks["slowest"]
+        parts.append(f"slowest rank {slow['rank']} on {slow['host']} ({ranks['ratio']:.2f}x the others' median, "
+                     f"step {ranks['step']})")
+    return "; ".join(parts)
+
+
+def goodput_facts(run_dir: Path, state: str) -> str:
+    """The run's goodput as its ledger adds it up (``goodput 0.82 of 1.40 h (largest loss: lost 0.10 h),
+    queued 12 s``: :func:`gwenlake_hpc.runtime.ledger.describe`); "" for a run without a ledger. ``state``: the
+    job's SLURM state (a job not in a final state has its newest start still running)."""
+    from ..runtime import ledger as ledgers
+
+    try:
+        recs = ledgers.read_ledger(run_dir, live=state not in FINAL_STATES)
+    except OSError:
+        return ""
+    return ledgers.describe(ledgers.summarize(recs)) if recs else ""
+
+
 def scancel(job_id: str, secrets: Iterable[str | Path] = ()) -> int:
     """``scancel`` a job of this host's SLURM; its run directory and checkpoints are kept, its ``secrets`` files
     removed (a cancelled job's teardown may be killed before it removes them). Returns 0, or 1 with scancel's

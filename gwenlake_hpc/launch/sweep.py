@@ -97,7 +97,8 @@ def submit_array(configs: Sequence[tuple[list[str], DictConfig]]) -> list[dict[s
     print_table(tasks)
     if s.wait:  # every task waited for (one failure does not stop the others), one poll for the array
         for t, final in zip(tasks, slurm_status.wait_array(tasks)):
-            t.update(state=final.state, restarts=final.restarts, step=final.step, metrics=_metrics(final))
+            t.update(state=final.state, restarts=final.restarts, step=final.step, metrics=_metrics(final),
+                     goodput=_goodput(final))
         print_table(tasks)
         failed = [t["job_id"] for t in tasks if t["state"] != "COMPLETED"]
         if failed:
@@ -141,13 +142,24 @@ def _metrics(final: slurm_status.JobStatus) -> dict[str, float]:
     return best
 
 
+def _goodput(final: slurm_status.JobStatus) -> float | None:
+    """The task's goodput (kept step time / allocated time, its ledger's), None without a ledger."""
+    from ..runtime import ledger as ledgers
+
+    if final.run_dir is None:
+        return None
+    return ledgers.summarize(ledgers.read_ledger(final.run_dir)).get("goodput")
+
+
 def print_table(tasks: list[dict[str, Any]]) -> None:
-    """One line per task: job id, state, restarts, best checkpoint metrics, the overrides that vary."""
+    """One line per task: job id, state, restarts, goodput (once the task ended: kept step time / allocated
+    time, from its ledger), best checkpoint metrics, the overrides that vary."""
     common = set.intersection(*(set(t["overrides"]) for t in tasks)) if len(tasks) > 1 else set()
-    print(f"{'TASK':>12}  {'STATE':<11} {'RESTARTS':>8}  {'METRICS':<28} OVERRIDES")
+    print(f"{'TASK':>12}  {'STATE':<11} {'RESTARTS':>8} {'GOODPUT':>7}  {'METRICS':<28} OVERRIDES")
     for t in tasks:
         varying = [o for o in t["overrides"] if o not in common]
         metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted((t.get("metrics") or {}).items()))
         restarts = "" if t.get("restarts") is None else t["restarts"]
-        print(f"{t['job_id']:>12}  {t.get('state', 'SUBMITTED'):<11} {restarts:>8}  {metrics or '-':<28} "
+        goodput = "" if t.get("goodput") is None else f"{t['goodput']:.2f}"
+        print(f"{t['job_id']:>12}  {t.get('state', 'SUBMITTED'):<11} {restarts:>8} {goodput:>7}  {metrics or '-':<28} "
               f"{' '.join(varying)}")

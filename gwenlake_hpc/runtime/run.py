@@ -22,7 +22,7 @@ import math
 import signal
 import time
 from pathlib import Path
-from typing import Any, ContextManager, Iterable, Iterator, Mapping
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping
 
 from ..base import rules
 from ..stores.checkpoints import Checkpoint, CheckpointStore
@@ -30,9 +30,11 @@ from ..stores.checkpoints.resume import RESUME_CHOICES, resume_from
 from ..stores.checkpoints.writer import async_default
 from .distributed import Dist
 from .heartbeat import DONE
+from .interval import AUTO, DEFAULT_MAX_INTERVAL_S, DEFAULT_MTBF_H, AutoInterval
 from .feed import batch_stream, is_plan, resolve_total, warn_persistent_workers
 from ..base.errors import ConfigError
 from .progress import Progress
+from .ranks import DEFAULT_FACTOR, RankSpeeds
 from .rng import rng_state, seed_everything, set_rng_state, shield_workers
 from .run_checkpoints import CheckpointWriter, RunCheckpoints  # noqa: F401 (CheckpointWriter re-exported)
 from .run_metrics import RunMetrics
@@ -52,7 +54,8 @@ class Run:
         run_key: the run's key (checkpoints of another key are never read).
         steps: total steps, or None when ``epochs`` sets the length.
         epochs: number of epochs over the batches given to :meth:`steps`, or None.
-        eval_every: a step that is a multiple of it has ``at_eval`` true.
+        eval_every: a step that is a multiple of it has ``at_eval`` true; ``"auto"``: the steps between two
+            are chosen from the run's measurements (:mod:`.interval`, with ``mtbf_s`` and ``max_eval_interval_s``).
         seed: the run's seed (batch order is a function of seed and epoch).
         tracker: a ``gwenlake_hpc.stores.tracking`` Tracker or NullTracker.
         stop: the StopRequest the signal handlers set.
@@ -66,6 +69,13 @@ class Run:
             ``loss``) raises :class:`NonFiniteError`; ``warn``: a warning, once per metric.
         heartbeat: a :class:`~.heartbeat.Heartbeat` the hang watchdog reads (a beat at the start of every step,
             checkpoint blocks marked), or None.
+        slow_rank_factor: ``job.slow_rank_factor``: a rank slower than the median by this factor for several
+            evaluations in a row is warned about (:mod:`.ranks`; 0: no warning).
+        on_loop_start: called once with the loop's first step (``start_step + 1``) when :meth:`steps` begins,
+            before that step's batch is read (the job records it in ``run.json``); None: nothing.
+        ledger: this start's :class:`~.ledger.StartLedger` (rank 0), fed at every step; None: none.
+        mtbf_s: with ``eval_every="auto"``, gives the mean seconds between unannounced interruptions.
+        max_eval_interval_s: with ``eval_every="auto"``, the longest interval between two evaluations.
 
     Attributes read by user code: ``resumed``, ``resume_path``, ``start_step``, ``step``, ``epoch``,
     ``at_eval``, ``stopping``, ``evicted``, ``total_steps``, ``run_dir``, ``seed``, ``rank``, ``world_size``,
@@ -92,19 +102,22 @@ class Run:
     (:class:`~.feed.PlanStream` says what is skipped when the global batch size changes too).
     """
 
-    def __init__(self, *, run_dir: Path, run_key: str, steps: int | None, epochs: int | None, eval_every: int,
+    def __init__(self, *, run_dir: Path, run_key: str, steps: int | None, epochs: int | None, eval_every: int | str,
                  seed: int, tracker: Any, stop: StopRequest, resume: str = "auto", progress: str = "auto",
                  progress_every_s: float = 30.0, dist: Dist | None = None, checkpoint_async: bool | None = None,
-                 on_nonfinite: str = "stop", heartbeat: Any = None):
+                 on_nonfinite: str = "stop", heartbeat: Any = None, slow_rank_factor: float = DEFAULT_FACTOR,
+                 on_loop_start: Callable[[int], None] | None = None, ledger: Any = None,
+                 mtbf_s: Callable[[], float] | None = None, max_eval_interval_s: float = DEFAULT_MAX_INTERVAL_S):
         rules.whole_number("job.steps", steps, 0)
         rules.whole_number("job.epochs", epochs)
-        rules.whole_number("job.eval_every", "null" if eval_every is None else eval_every)
+        if eval_every != AUTO:
+            rules.whole_number("job.eval_every", "null" if eval_every is None else eval_every)
         rules.choice("job.resume", resume, RESUME_CHOICES)
         rules.choice("job.on_nonfinite", on_nonfinite, ("stop", "warn"))
-        self.run_dir = Path(run_dir)
-        self.run_key = run_key
+        self.run_dir, self.run_key, self._on_loop_start = Path(run_dir), run_key, on_loop_start
         self.seed = seed
-        self.eval_every = int(eval_every)
+        self.eval_every: int | str = AUTO if eval_every == AUTO else int(eval_every)
+        self._ledger = ledger
         self.epochs = epochs
         self._steps_setting = steps
         self.total_steps: int | None = steps
@@ -136,6 +149,13 @@ class Run:
         self._checkpoints = RunCheckpoints(self.store, self.dist, self._times, tracker, scratch, latest)
         self._heartbeat = self._checkpoints.heartbeat = heartbeat  # the hang watchdog's view (None: no watchdog)
         self._metrics = RunMetrics(tracker, self._times, self.dist.is_main, on_nonfinite, self._checkpoints.wait)
+        self._speeds = RankSpeeds(self.dist, tracker, self.run_dir, slow_rank_factor) if self.dist.enabled else None
+        self._auto = None if eval_every != AUTO else AutoInterval(
+            self.start_step, mtbf_s or (lambda: DEFAULT_MTBF_H * 3600.0), max_eval_interval_s,
+            lambda: self._checkpoints.last_write_s, self.dist.broadcast if self.dist.enabled else None,
+            tracker.log_metrics if self.dist.is_main else None)
+        if ledger is not None:
+            ledger.sealed_of = lambda: self._checkpoints.latest.step if self._checkpoints.latest else None
 
     def _choose_checkpoint(self, resume: str) -> Checkpoint | None:
         """The checkpoint this run resumes from (None: from step 0).
@@ -243,9 +263,12 @@ class Run:
         stream, total = self._begin(batches)
         if stream is None:
             return
+        if self._on_loop_start is not None:
+            self._on_loop_start(self.start_step + 1)
         times, metrics, checkpoints, progress = self._times, self._metrics, self._checkpoints, self._progress
         writer, step = checkpoints.writer, self.start_step  # the loop's objects are read once, not at each step
-        heartbeat = self._heartbeat
+        beat, first = (self._heartbeat.beat if self._heartbeat is not None else None), self.start_step + 1
+        ledger, auto, every = self._ledger, self._auto, self.eval_every if self._auto is None else 0
         try:
             while step < total:
                 writer.raise_if_failed()  # a failed background write fails the run at the next step
@@ -259,19 +282,30 @@ class Run:
                 epoch, batch = next(stream)
                 self.step, self.epoch = step, epoch
                 self.stopping = final
-                self.at_eval = final or step % self.eval_every == 0 or step == total
-                if heartbeat is not None:
-                    heartbeat.beat(step, self.at_eval, step == self.start_step + 1)
+                self.at_eval = at_eval = (final or step == total or
+                                          (step % every == 0 if every else step >= auto.next_step))
+                if beat is not None:
+                    beat(step, at_eval, step == first)
                 t_step = times.step_start = time.perf_counter()
                 times.input_s += t_step - t_input
+                if ledger is not None and step == first:
+                    ledger.first_step(step, t_step)
                 yield step, batch
-                times.step_s += time.perf_counter() - max(t_step, times.window_start)
+                t_end = time.perf_counter()
+                times.step_s += t_end - max(t_step, times.window_start)
+                if ledger is not None:
+                    ledger.step_done(step, t_end - t_input, times.checkpoint_total_s, checkpoints.last_step == step,
+                                     t_end)
+                if auto is not None and not final and step != total:
+                    auto.observe(step, t_end - t_input, at_eval)
                 if step == self.start_step + 1 and self.checkpoint_async:
                     checkpoints.reserve_ahead()  # the first checkpoint's host buffers, off the loop
                 if times.logged_step != step:  # else logged at its checkpoint, this step counted there
                     times.steps_timed += 1
                     if self.at_eval:
                         metrics.log_times(step)
+                if at_eval and self._speeds is not None and not final:
+                    self._speeds.compare(step, metrics.last_times)  # every rank: a gather
                 progress.update(step)
                 if final:
                     self._stopped_after(step)
@@ -338,6 +372,8 @@ class Run:
 
     def _end_loop(self) -> None:
         self.at_eval = self.stopping = False
+        if self._ledger is not None:
+            self._ledger.loop_ended()
         if self._heartbeat is not None:
             self._heartbeat.phase(DONE)  # the loop is over: the hang watchdog no longer counts
         if hasattr(self._feed, "close"):

@@ -99,6 +99,7 @@ class RunCheckpoints:
         self.scratch = scratch
         self.latest: Checkpoint | None = latest
         self.last_step: int | None = None
+        self.last_write_s: float | None = None  # the newest background write's seconds (job.eval_every=auto)
         self.writer = BackgroundWriter()
         self.buffers = BufferPool()
         self._in_block = False
@@ -199,7 +200,9 @@ class RunCheckpoints:
                 yield from self._checkpoint(step, keep, asynchronous, state, metrics, log_breakdown)
         finally:
             self._in_block = False
-            self.times.checkpoint_s += time.perf_counter() - max(started, self.times.window_start)
+            ended = time.perf_counter()
+            self.times.checkpoint_s += ended - max(started, self.times.window_start)
+            self.times.checkpoint_total_s += ended - started
             if heartbeat is not None:
                 heartbeat.phase(STEP)
 
@@ -263,8 +266,11 @@ class RunCheckpoints:
         previous = self.latest
 
         def background() -> Checkpoint | None:
+            began = time.perf_counter()
             try:
-                return job()
+                ck = job()
+                self.last_write_s = time.perf_counter() - began
+                return ck
             except OSError as exc:
                 raise CheckpointError(
                     f"the checkpoint of step {step} could not be written: {exc} "

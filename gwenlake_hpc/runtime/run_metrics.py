@@ -46,6 +46,7 @@ class RunMetrics:
 
     Attributes:
         progress: the loop's progress display (it shows the latest ``loss``), set by the loop; None before.
+        last_times: this rank's latest ``time/*`` breakdown (seconds per step), compared across ranks.
     """
 
     def __init__(self, tracker: Any, times: StepTimes, is_main: bool, on_nonfinite: str,
@@ -57,6 +58,7 @@ class RunMetrics:
         self._wait_for_checkpoint = wait_for_checkpoint
         self.progress: Progress | None = None
         self.values: dict[str, float] = {}  #: the latest value of every metric logged in this process
+        self.last_times: dict[str, float] = {}
         self._tagged_series: dict[str, dict[str, str]] = {}  # series -> its tags (recorded on the run already)
         self._warned_nonfinite: set[str] = set()
 
@@ -114,7 +116,7 @@ class RunMetrics:
         Logged at each evaluation step, not part of the summary: a user sees at a glance whether input, model,
         checkpoints or tracking is the limit.
         """
-        values = self.times.breakdown(step, during_step)
+        values = self.last_times = self.times.breakdown(step, during_step)
         if self.is_main:
             self.tracker.log_metrics(values, step)
 

@@ -33,16 +33,19 @@ class StepTimes:
         block_start: when the current checkpoint block began.
         logged_step: the step of the last breakdown, or None: that step's breakdown was made inside its
             checkpoint block (before the seal), and what remained of it counts in the next window.
+        checkpoint_total_s: inside ``run.checkpoint()`` blocks since the Run began (never reset: the goodput
+            ledger's checkpoint stalls).
     """
 
     __slots__ = ("input_s", "step_s", "checkpoint_s", "tracking_s", "steps_timed", "window_start", "step_start",
-                 "block_start", "logged_step")
+                 "block_start", "logged_step", "checkpoint_total_s")
 
     def __init__(self) -> None:
         self.input_s = self.step_s = self.checkpoint_s = self.tracking_s = 0.0
         self.steps_timed = 0
         self.window_start = self.step_start = self.block_start = 0.0
         self.logged_step: int | None = None
+        self.checkpoint_total_s = 0.0
 
     def breakdown(self, step: int, during_step: bool = False) -> dict[str, float]:
         """The window's seconds per step, named as logged, then start a new window at ``step``.

@@ -133,7 +133,9 @@ class MlflowServer:
         workdir: folder for the server's log (``mlflow-server-<port>.log``), its artifacts
             (``mlartifacts/``) and its working directory; default a new temporary folder.
         host: interface to bind, 127.0.0.1 by default.
-        startup_timeout_s: how long :meth:`start` waits for ``/health`` to answer.
+        startup_timeout_s: how long :meth:`start` waits for ``/health`` to answer, in seconds.
+            A new PostgreSQL database is migrated first (silently: the log stays empty); on a
+            loaded CI machine that took 62 s, so the default is generous.
 
     Attributes:
         uri: ``http://<host>:<port>``, the tracking URI to give clients.
@@ -150,7 +152,7 @@ class MlflowServer:
         workdir: str | os.PathLike[str] | None = None,
         *,
         host: str = "127.0.0.1",
-        startup_timeout_s: float = 60.0,
+        startup_timeout_s: float = 300.0,
     ) -> None:
         self.backend_uri = backend_uri
         self.host = host

@@ -53,6 +53,16 @@ class Project:
         return git(self.root, *args)
 
 
+#: Written into a test's project by a test that makes a training hang on purpose (issue 24): the suite's check
+#: for false alarms of the hang watchdog (tests/conftest.py) skips that project's hangs.
+HANG_EXPECTED = ".hang-expected"
+
+
+def expect_hangs(project: Project) -> None:
+    """``project``'s runs hang on purpose (see :data:`HANG_EXPECTED`)."""
+    (project.root / HANG_EXPECTED).touch()
+
+
 def make_test_project(root: Path) -> Project:
     """The tests' user project (conf/, tests/project's trainer and job t, dataset t.rows) at ``root``."""
     shutil.copytree(REPO / "conf", root / "conf")

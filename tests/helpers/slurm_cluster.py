@@ -247,3 +247,38 @@ def wait_until(pred, timeout=240, what="condition", poll=0.5):
             return value
         time.sleep(poll)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+# Jobs of the tests' project (``+job=t``) submitted with ``launcher=slurm``.
+
+
+def submit(project, *overrides, env_vars=None, env=None) -> str:
+    args = ["+job=t", *overrides]
+    for k, v in (env_vars or {}).items():
+        args.append(f"+launcher.env.{k}={v}")
+    proc = project.run(*args, env=env, check=0)
+    m = re.search(r"submitted job (\d+)", proc.stdout)
+    assert m, proc.stdout + proc.stderr
+    return m.group(1)
+
+
+def state_of(job_id) -> str:
+    f = job_fields(job_id)
+    if f.get("JobState"):
+        return f["JobState"]
+    out = sh("sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State").splitlines()
+    return out[-1].split()[0] if out else "UNKNOWN"
+
+
+def finish(job_id, timeout=400) -> str:
+    """Wait for a final state, releasing requeued jobs from SLURM's start delay as we go."""
+    def done():
+        st = state_of(job_id)
+        if st == "PENDING" and job_fields(job_id).get("Reason") == "BeginTime":  # a requeued job's delay
+            release(int(job_id))
+        return st if st in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY") else None
+    return wait_until(done, timeout, f"job {job_id} to end")
+
+
+def log_text_any(project, job_id) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted(project.root.glob(f"runs*/t.model/*/slurm/{job_id}/*_log.*")))

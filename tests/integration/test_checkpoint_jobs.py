@@ -119,6 +119,8 @@ def test_damaged_state_found_while_loading_falls_back_to_previous(project):
     log = resumed.stdout + resumed.stderr
     assert "does not match its xxh3_128 digest" in log and "starting the training function again" in log, log
     assert "resuming from step 20" in log
+    starts = json.loads((run_dir_of(project) / "run.json").read_text())["starts"]
+    assert [s["first_step"] for s in starts] == [1, 21]  # the loop began after the checkpoint it fell back to
     assert same_weights(project, ref, version_of(resumed))
     assert list((run_dir_of(project) / "checkpoints").glob(".damaged-step-000000026-*"))
 
@@ -182,7 +184,18 @@ def test_mlflow_system_metrics_continue_across_a_restart(project):
     client, runs = mlflow_runs(project)
     first = [m.step for m in client.get_metric_history(runs[0].info.run_id, "system/cpu_utilization_percentage")]
     assert first, "no system metrics from the first process"
-    project.run("+job=t", env=env, check=0)
+    # The second process waits at step 30 until its own monitor has added points (it failed once in CI, the
+    # machine loaded: the delivery process attached after the short rerun had ended), then finishes.
+    reached, go = project.root / "reached-2", project.root / "go-2"
+    second = project.popen("+job=t", env={**env, "GWL_TEST_PAUSE": f"30:{reached}:{go}"})
+    try:
+        wait_until(reached.exists, 300, "the second process at step 30")
+        wait_until(lambda: len(client.get_metric_history(runs[0].info.run_id, "system/cpu_utilization_percentage"))
+                   > len(first), 300, "system metrics from the second process")
+    finally:
+        go.touch()
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 0, (out + err)[-3000:]
     client, runs = mlflow_runs(project)
     assert len(runs) == 1
     steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "system/cpu_utilization_percentage")]

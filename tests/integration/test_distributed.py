@@ -8,45 +8,12 @@ and a resume that ends bit-identical to an uninterrupted run.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from safetensors.torch import load_file
 
-from helpers.mlflow_server import free_port
+from helpers.ranks import launch, model_of, version_in
 
 pytestmark = pytest.mark.slow
-
-
-def launch(project, *args, world=2, env=None, timeout=240):
-    """Run ``python -m gwenlake_hpc ARGS`` as ``world`` ranks; returns [(rc, stdout, stderr)] by rank."""
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        e = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-             "GWENLAKE_DIST_TIMEOUT_S": "60", **(env or {})}
-        procs.append(subprocess.Popen([sys.executable, "-m", "gwenlake_hpc", *args], cwd=project.root, env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = []
-    for p in procs:
-        so, se = p.communicate(timeout=timeout)
-        out.append((p.returncode, so, se))
-    return out
-
-
-def model_of(project, version):
-    path = project.root / "m.safetensors"
-    path.write_bytes(subprocess.run(["git", "show", f"{version}:t/model/model.safetensors"], cwd=project.root,
-                                    capture_output=True, check=True).stdout)
-    return load_file(str(path))
-
-
-def version_in(stdout):
-    line = next(line for line in stdout.splitlines() if line.startswith("model t.model version "))
-    return line.split()[-1]
 
 
 def test_stop_seen_by_one_rank_stops_all_and_resume_is_bit_identical(project):

@@ -33,9 +33,12 @@ def test_sigterm_at_random_step_resumes_bit_identical(project):
     assert [r.info.status for r in runs] == ["KILLED"]
     assert runs[0].data.tags["gwenlake.evicted_at_step"] == str(evict_step)
 
-    resumed = project.run("+job=t", check=0)
+    # the second start runs on a host whose clock is an hour behind: its restart mark still is its first step
+    resumed = project.run("+job=t", env={"GWL_TEST_CLOCK_SHIFT_S": "-3600"}, check=0)
     assert "resuming from step" in resumed.stdout + resumed.stderr
     version = version_of(resumed)
+    starts = json.loads((run_dir / "run.json").read_text())["starts"]
+    assert [s["first_step"] for s in starts] == [1, evict_step + 1] and starts[1]["time"] < starts[0]["time"]
     a, b = weights_at(project, ref_version), weights_at(project, version)
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
@@ -165,3 +168,16 @@ def test_second_process_on_the_same_run_is_refused(project):
     (f / "go").touch()
     out, err = first.communicate(timeout=120)
     assert first.returncode == 0, out + err
+
+
+@pytest.mark.slow
+def test_a_start_that_fails_before_its_loop_is_no_restart_in_the_report(project):
+    """The adversarial pass's input: a first start with a missing column (exit 2, no step trained), then the
+    whole training in one start: the report marks no restart (it marked one at step 1)."""
+    bad = project.run("+job=t", env={"GWL_TEST_BAD": "column"}, check=2)
+    assert "nope" in bad.stdout + bad.stderr
+    project.run("+job=t", check=0)
+    run_dir = run_dir_of(project)
+    assert [s["first_step"] for s in json.loads((run_dir / "run.json").read_text())["starts"]] == [None, 1]
+    report = project.run("report", str(run_dir), check=0)
+    assert "0 restart(s) marked at steps []" in report.stdout

@@ -11,6 +11,9 @@ from mlflow import MlflowClient
 from gwenlake_hpc.stores.tracking.delivery.spool import points_of, read_all
 from helpers.mlflow_server import MlflowServer, drop_postgres_database, postgres_available, postgres_backend, sqlite_backend
 
+# Mostly waiting (servers down, retries, timeouts): run beside the cluster's tests (scripts/test.sh).
+pytestmark = pytest.mark.waits
+
 
 @pytest.fixture
 def server(tmp_path):

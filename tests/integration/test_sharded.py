@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from test_distributed import launch, model_of, version_in
+from helpers.ranks import launch, model_of, version_in
 
 pytestmark = pytest.mark.slow
 

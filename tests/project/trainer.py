@@ -4,6 +4,7 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_SIGTERM_AT=k       the process sends itself SIGTERM during step k (a real signal)
   GWL_TEST_SIGTERM_RANK=r     ... only on rank r of a multi-task run (default: every rank)
   GWL_TEST_SIGKILL_IN_CKPT=k  SIGKILL half-way through writing the checkpoint of step k
+  GWL_TEST_SIGKILL_AT=k       SIGKILL as step k begins (steps up to k-1 done, nothing of k)
   GWL_TEST_PAUSE=k:reached:go at step k, create file `reached` and wait for file `go` (may repeat, ';'-separated)
   GWL_TEST_SLEEP=s            sleep s seconds per step
   GWL_TEST_BAD=escape|column|raise|nooutput|str  misuse the API on purpose (write no output, return a str), or
@@ -21,6 +22,7 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_SEEN=prefix        each rank appends "step epoch x0 x0 ..." (column x[:, 0] of its batch) to prefix.<rank>
   GWL_TEST_EXTRA_MB=m[:k]     checkpoints carry an extra float32 tensor of m MiB (from step k on), filled with
                               the step (no RNG drawn, so the training is the same as without it)
+  GWL_TEST_CLOCK_SHIFT_S=s     time.time() is s seconds off (a host whose clock is behind or ahead)
   GWL_TEST_SIGKILL=k:phase[:n] (fit_fsdp) rank GWL_TEST_SIGKILL_RANK (default 1) SIGKILLs itself at step k, at
                               phase step|before_write|mid_write|after_write|after_gather (see _SigkillPlan)
 """
@@ -33,6 +35,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+if os.environ.get("GWL_TEST_CLOCK_SHIFT_S"):  # at import: before the job records this start's time
+    _shift, _time = float(os.environ["GWL_TEST_CLOCK_SHIFT_S"]), time.time
+    time.time = lambda: _time() + _shift
 
 import numpy as np
 import torch
@@ -69,7 +75,11 @@ def fit(data, output, run, config: Params):
     sigterm_rank = int(os.environ.get("GWL_TEST_SIGTERM_RANK", run.rank))
     sigterm_at = int(os.environ.get("GWL_TEST_SIGTERM_AT", "-1"))
     kill_at = int(os.environ.get("GWL_TEST_SIGKILL_IN_CKPT", "-1"))
+    sigkill_at = int(os.environ.get("GWL_TEST_SIGKILL_AT", "-1"))
     sleep_s = float(os.environ.get("GWL_TEST_SLEEP", "0"))
+    # GWL_TEST_SLOW_STEPS=k:s,...: step k takes s seconds more (a slow first step, a long evaluation)
+    slow_steps = {int(k): float(v) for k, v in (i.split(":") for i in filter(None, os.environ.get(
+        "GWL_TEST_SLOW_STEPS", "").split(",")))}
     pauses = _pauses()
     extra_mb, _, extra_from = os.environ.get("GWL_TEST_EXTRA_MB", "0").partition(":")
     blob = torch.empty(int(float(extra_mb) * 2**20) // 4) if float(extra_mb) else None
@@ -89,6 +99,8 @@ def fit(data, output, run, config: Params):
         time.sleep(float(os.environ["GWL_TEST_RAISE_BEFORE_LOOP"]))
         raise ValueError("test hook: failed before the loop")
     for step, batch in run.steps(data.batches(batch_size, columns=columns)):
+        if step == sigkill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
         if seen:
             with open(f"{seen}.{run.rank}", "a") as fh:
                 fh.write(" ".join(map(repr, [step, run.epoch, *batch["x"][:, 0].tolist()])) + "\n")
@@ -129,8 +141,9 @@ def fit(data, output, run, config: Params):
             reached.touch()
             while not go.exists():
                 time.sleep(0.05)
-        if sleep_s:
+        if sleep_s and os.environ.get("GWL_TEST_SLEEP_RANK", str(run.rank)) == str(run.rank):
             time.sleep(sleep_s)
+        time.sleep(slow_steps.get(step, 0))
         _hang(step, run)
         if run.at_eval:
             # The torn-file hook needs the file on disk inside the block: a synchronous checkpoint.
@@ -195,7 +208,7 @@ def _hang(step, run):
             ctypes.PyDLL(None).sleep(100000)
     else:
         while True:
-            time.sleep(100000)
+            time.sleep(100000)  # GWL_TEST_HANG sleep
 
 
 class _Rows(torch.utils.data.Dataset):
@@ -209,6 +222,11 @@ class _Rows(torch.utils.data.Dataset):
         return len(self.y)
 
     def __getitem__(self, i):
+        hang = os.environ.get("GWL_TEST_LOADER_HANG")  # "index:marker": the worker blocks for good on that row
+        if hang and int(hang.split(":", 1)[0]) == i and not Path(hang.split(":", 1)[1]).exists():
+            Path(hang.split(":", 1)[1]).write_text(str(os.getpid()))
+            while True:
+                time.sleep(3600)
         return {"x": self.x[i], "y": self.y[i], "pid": os.getpid()}
 
 

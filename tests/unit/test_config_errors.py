@@ -142,6 +142,14 @@ def trained(tmp_path_factory):
     (["+job=t", "job.on_nonfinite=ignore"], "job.on_nonfinite='ignore': give one of stop, warn"),
     (["+job=t", "job.hang_timeout_s=soon"], "job.hang_timeout_s='soon': use auto (the default"),
     (["+job=t", "job.hang_timeout_s=-5"], "job.hang_timeout_s=-5: use auto"),
+    (["+job=t", "job.slow_rank_factor=0.5"], "job.slow_rank_factor=0.5: must be a number > 1 (a factor), or 0"),
+    (["+job=t", "job.slow_rank_factor=fast"], "job.slow_rank_factor"),
+    # job.eval_every=auto's companions (issue 25)
+    (["+job=t", "job.eval_every=auto", "job.mtbf_h=0"], "job.mtbf_h=0: must be a number > 0 (hours"),
+    (["+job=t", "job.eval_every=auto", "job.mtbf_h=-3"], "job.mtbf_h=-3: must be a number > 0"),
+    (["+job=t", "job.eval_every=auto", "job.mtbf_h=often"], "job.mtbf_h='often': must be a number > 0"),
+    (["+job=t", "job.eval_every=auto", "job.max_eval_interval_s=0"], "job.max_eval_interval_s=0"),
+    (["+job=t", "job.eval_every=sometimes"], "job.eval_every='sometimes': must be a whole number >= 1 (or auto"),
     (["+job=tt"], "job=tt: there is no"),  # a missing file: the files there, the closest one
     (["+job=t", "launcher=slrum"], "launcher=slrum: there is no"),
     (["+job=t", "launcher=slrum"], "(did you mean launcher=slurm?)"),

@@ -72,3 +72,32 @@ def test_minus_zero_is_zero():
     from gwenlake_hpc.cli.report import check_smoothing
 
     assert str(check_smoothing("-0")) == "0.0"
+
+
+def test_restart_marks_come_from_each_starts_first_step_not_its_clock():
+    from gwenlake_hpc.cli.report import restart_steps
+
+    # loss at steps 1..30, logged at 1000 ms per step from t=100 s; the second start's clock is an hour behind
+    history = {"loss": [(s, 100_000 + 1000 * s) for s in range(1, 31)]}
+    starts = [{"time": 100.0, "first_step": 1}, {"time": 111.0 - 3600, "first_step": 11},
+              {"time": 121.0, "first_step": None}, {"time": 121.5, "first_step": 21}]
+    assert restart_steps(history, starts) == [11, 21]
+    # starts recorded before first_step existed: the first step logged after the start's time
+    assert restart_steps(history, [{"time": 100.0}, {"time": 115.5}]) == [16]
+    # the first start failed before its loop: the second one is the first training, no restart
+    assert restart_steps(history, [{"time": 90.0, "first_step": None}, {"time": 99.0, "first_step": 1}]) == []
+
+
+@pytest.mark.parametrize("text", ['{"starts": [{"time": 1', '[1, 2]', '{"starts": [{"first_step": "abc"}]}',
+                                  '{"starts": 3}'])
+def test_a_damaged_run_record_is_exit_2_naming_the_file(tmp_path, text, capsys):
+    (tmp_path / "run.json").write_text(text)
+    assert run_subcommand(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "run.json" in err and "Traceback" not in err
+
+
+def test_a_file_instead_of_a_run_directory_is_exit_2(tmp_path, capsys):
+    (tmp_path / "trainer.py").write_text("x = 1\n")
+    assert run_subcommand(["report", str(tmp_path / "trainer.py")]) == 2
+    assert "is not a run directory" in capsys.readouterr().err

@@ -438,3 +438,58 @@ def test_an_array_task_sources_its_own_secrets_and_tells_the_teardown_its_run_di
     told = dict(zip(out[1::2], out[2::2]))  # the teardown's options, each with its value
     assert told["--run-dir"] == str(run_dirs[1]) and told["--secrets"] == str(files[1])
     assert told["--started"].isdigit() and told["--max-starts"] == "100"
+
+
+def _hung(run_dir, name, step, written):
+    import json
+
+    from helpers.project import HANG_EXPECTED
+
+    (run_dir.parent / HANG_EXPECTED).touch()  # a verdict on purpose (the suite's check for false alarms)
+    folder = run_dir / "hangs" / name
+    folder.mkdir(parents=True)
+    (folder / "verdict.json").write_text(json.dumps({"step": step, "first": [1], "time": written, "line": "x"}))
+    return folder
+
+
+def test_a_hang_is_requeued_once_and_the_same_hang_at_the_same_step_again_fails_naming_the_stacks(tmp_path):
+    """The teardown as a real process: a start the hang watchdog killed (exit 137, a new verdict) is requeued;
+    the next start hanging at the same step ends the job, naming the rule and the stacks, with no third start;
+    a hang at another step would have been requeued."""
+    import json
+
+    run_dir = tmp_path / "runs" / "t.model" / "key1"
+    _sealed(run_dir, 20, 950.0)
+    _hung(run_dir, "19990101-000000", 7, 500.0)  # an earlier job's hang: not this job's
+    bin_dir = _fake_slurm(tmp_path, "RUNNING 0:40")
+    common = ["--max-retries", "3", "--signal-delay", "30", "--run-dir", str(run_dir)]
+    plain = _teardown(tmp_path, bin_dir, 0, 137, *common, "--started", "900")
+    assert plain.returncode == 0 and "killed by signal 9 (out of memory or killed)" in plain.stderr, plain.stderr
+
+    first = _hung(run_dir, "20261202-100000", 25, 1000.0)
+    once = _teardown(tmp_path, bin_dir, 1, 137, *common, "--started", "910")
+    assert once.returncode == 0, once.stderr
+    assert f"hang at step 25 (stacks: {first}/rank*.txt): requeue" in once.stderr, once.stderr
+
+    second = _hung(run_dir, "20261202-101000", 25, 1200.0)
+    twice = _teardown(tmp_path, bin_dir, 2, 137, *common, "--started", "1100")
+    assert twice.returncode == 137, twice.stderr
+    assert (f"hang at step 25 (stacks: {second}/rank*.txt): the start before hung at the same step, so the hang "
+            "recurs there: not requeued") in twice.stderr, twice.stderr
+    assert (tmp_path / "requeued").read_text().split() == ["42", "42"]  # no third requeue
+    record = json.loads((run_dir / "slurm" / "42" / "teardown.json").read_text())
+    assert [(s["hang"] or {}).get("step") for s in record["starts"]] == [None, 25, 25]
+    assert record["starts"][-1]["rule"] == "job.hang_timeout_s" and record["starts"][-1]["action"] == "fail"
+
+
+def test_hangs_at_different_steps_are_requeued_within_the_budget():
+    from gwenlake_hpc.launch.requeue import decide
+
+    d = decide(137, 1, 3, None, 30, "RUNNING", 1, hang={"folder": "/r/hangs/b", "step": 31},
+               previous_hang={"folder": "/r/hangs/a", "step": 25})
+    assert d.action == "requeue" and d.reason.startswith("hang at step 31 (stacks: /r/hangs/b/rank*.txt): requeue")
+    same = decide(137, 1, 3, None, 30, "RUNNING", 1, hang={"folder": "/r/hangs/b", "step": 25},
+                  previous_hang={"folder": "/r/hangs/a", "step": 25})
+    assert (same.action, same.rule) == ("fail", "job.hang_timeout_s")
+    assert decide(75, 1, 3, 3000, 30, "RUNNING", 1, hang={"folder": "/r/hangs/b", "step": 25},
+                  previous_hang={"step": 25}).action == "leave"  # an eviction is no hang

@@ -1,10 +1,13 @@
 """The hang watchdog's rule, its setting and its reading of a faulthandler dump (the processes themselves are
 tested in tests/integration/test_hang.py)."""
 
+import json
+
 import pytest
 
 from gwenlake_hpc.base.errors import ConfigError
-from gwenlake_hpc.job.watchdog import AUTO_FLOOR_S, AUTO_LONG_S, AUTO_STARTUP_S, HangRule, hang_rule, where
+from gwenlake_hpc.job.hang_report import activity, joint_verdict, publish_verdict, where
+from gwenlake_hpc.job.watchdog import AUTO_FLOOR_S, AUTO_LONG_S, AUTO_STARTUP_S, HangRule, hang_rule
 from gwenlake_hpc.runtime import heartbeat as hb
 
 
@@ -81,3 +84,49 @@ def test_a_heartbeat_written_here_is_read_back(tmp_path):
     assert hb.read(tmp_path / "hb").phase == hb.DONE
     (tmp_path / "junk").write_bytes(b"x" * 80)
     assert hb.read(tmp_path / "junk") is None and hb.read(tmp_path / "missing") is None
+
+
+def _record(rank, step, activity, silent=9.0, host="node-a"):
+    return {"rank": rank, "host": host, "pid": 100 + rank, "step": step, "phase": "step", "silent_s": silent,
+            "limit_s": 8.0, "activity": activity, "main_thread_at": f"/x/f{rank}.py:1 in g",
+            "user_code_at": f"/u/train.py:{10 + rank} in fit"}
+
+
+def test_what_a_rank_does_is_read_from_its_main_thread():
+    assert activity(DUMP, 0x1234) == "collective"  # inside torch.distributed: waiting for the others
+    user = DUMP.replace("torch/distributed/distributed_c10d.py", "numpy/core/x.py").replace(
+        '/work/x/.venv/lib/python3.11/site-packages/numpy/core/x.py", line 2501 in all_reduce\n', "")
+    assert activity(user, 0x1234) == "your code"
+    loader = DUMP.replace("torch/distributed/distributed_c10d.py", "torch/utils/data/dataloader.py")
+    assert activity(loader, 0x1234) == "data loading"
+    lib = DUMP.replace("torch/distributed/distributed_c10d.py", "numpy/core/x.py")
+    assert activity(lib, 0x1234) == "a library"
+    assert activity("", 0x1234) == "unknown"
+
+
+def test_the_rank_that_stopped_first_is_the_one_not_waiting_in_a_collective(tmp_path):
+    records = [_record(0, 25, "collective", silent=9.4), _record(1, 25, "your code", silent=9.1, host="node-b"),
+               _record(2, 26, "collective", silent=8.2)]
+    v = joint_verdict(records, tmp_path)
+    assert v["first"] == [1] and v["waiting"] == [0, 2] and v["step"] == 25
+    assert v["line"].startswith("gwenlake_hpc: hang: rank 1 on node-b made no progress for 9 s in step 25 (step; "
+                                "the limit is 8 s, job.hang_timeout_s) (it stopped first): its main thread is at "
+                                "/x/f1.py:1 in g (in your code: /u/train.py:11 in fit); the others wait: rank 0 on "
+                                "node-a in step 25, collective at /x/f0.py:1 in g; rank 2"), v["line"]
+    assert v["stacks"] == [str(tmp_path / f"rank{r}.txt") for r in (0, 1, 2)]
+
+
+def test_when_every_rank_waits_in_a_collective_the_lowest_step_stopped_first(tmp_path):
+    v = joint_verdict([_record(0, 31, "collective"), _record(1, 30, "collective"), _record(2, 30, "collective")],
+                      tmp_path)
+    assert v["first"] == [1, 2] and v["step"] == 30 and "(they stopped first)" in v["line"]
+    one = joint_verdict([_record(0, 7, "your code")], tmp_path)
+    assert one["first"] == [0] and "stopped first" not in one["line"] and "the others" not in one["line"]
+    assert f"all threads' stacks: {tmp_path / 'rank0.txt'}; ending it" in one["line"]
+
+
+def test_one_watchdog_publishes_the_verdict(tmp_path):
+    v = joint_verdict([_record(0, 7, "your code")], tmp_path)
+    assert publish_verdict(tmp_path, v) is True
+    assert publish_verdict(tmp_path, {**v, "line": "another"}) is False
+    assert json.loads((tmp_path / "verdict.json").read_text())["line"] == v["line"]

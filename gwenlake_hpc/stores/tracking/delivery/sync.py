@@ -12,13 +12,15 @@ from ....base.errors import ConfigError
 from .deliverer import DeliverLock, Deliverer, read_config
 from .session import http_settings
 from ..sqlite import BrokenStoreError
-from .state import PENDING_STATUS_FILE, PENDING_TAGS_FILE, read_json_dict, read_pending_status
+from .state import (PENDING_STATUS_FILE, PENDING_TAGS_FILE, TERMINAL_STATUSES, read_json_dict,
+                    read_pending_status, write_pending_status)
 from ..uri import redact_uri, scrub, validate_uri
 
 logger = logging.getLogger("gwenlake_hpc.tracking")
 
 
-def sync(state_dir: str | os.PathLike[str], uri: str | None = None, timeout_s: float = 60.0) -> dict[str, Any]:
+def sync(state_dir: str | os.PathLike[str], uri: str | None = None, timeout_s: float = 60.0,
+         status: str | None = None) -> dict[str, Any]:
     """Deliver what a training left in ``state_dir``: the spool, pending tags, the pending status.
 
     Used by ``python -m gwenlake_hpc tracking sync RUN_DIR`` when the server was down at the end of a training.
@@ -29,6 +31,8 @@ def sync(state_dir: str | os.PathLike[str], uri: str | None = None, timeout_s: f
         state_dir: the tracking state folder (normally ``<run_dir>/tracking``).
         uri: tracking URI; default the one in ``tracking.json`` (stored without its password).
         timeout_s: seconds to keep retrying an unreachable server (and to wait for the lock).
+        status: a terminal status to apply when none is pending (``FAILED``: the SLURM teardown of a job whose
+            training was killed and is not started again), with the end time now.
 
     Returns:
         ``{"run_id": str | None, "delivered": int (points stored), "remaining": int (points still in the
@@ -53,6 +57,8 @@ def sync(state_dir: str | os.PathLike[str], uri: str | None = None, timeout_s: f
                               "run tracking sync again after that training ends")
         time.sleep(0.5)
     try:
+        if status is not None and read_pending_status(state_dir) is None:
+            write_pending_status(state_dir, status.upper(), int(time.time() * 1000))
         with http_settings():
             return _sync(state_dir, uri, deadline)
     finally:
@@ -90,3 +96,31 @@ def _sync(state_dir: Path, uri: str, deadline: float) -> dict[str, Any]:
             time.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
     return {"run_id": d.run_id, "delivered": d.total_delivered(), "remaining": d.remaining(), "status": applied}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gwenlake_hpc.stores.tracking.delivery.sync RUN_DIR [--status FAILED] [--timeout S]``: what the
+    SLURM teardown runs when a killed training ends for good (its run would stay RUNNING). Exit 0 when
+    everything was delivered, 1 otherwise, 2 for a folder without tracking."""
+    import argparse
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="[gwenlake tracking] %(message)s", stream=sys.stderr)
+    p = argparse.ArgumentParser(prog="python -m gwenlake_hpc.stores.tracking.delivery.sync")
+    p.add_argument("run_dir")
+    p.add_argument("--status", choices=TERMINAL_STATUSES)
+    p.add_argument("--timeout", type=float, default=60.0)
+    a = p.parse_args(argv)
+    state = Path(a.run_dir) / "tracking"
+    try:
+        res = sync(state, timeout_s=a.timeout, status=a.status)
+    except ConfigError as exc:
+        logger.error("%s", exc)
+        return 2
+    logger.info("run %s: delivered %d points, %d remaining, status %s", res["run_id"], res["delivered"],
+                res["remaining"], res["status"] or "unchanged")
+    return 0 if res["remaining"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

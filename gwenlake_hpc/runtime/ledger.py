@@ -1,0 +1,372 @@
+"""The goodput ledger: where every second of each start of a run went, written as the run goes.
+
+Responsibilities:
+
+- :class:`StartLedger` (rank 0 of each start; the job makes it, the Run feeds it): this start's own record in
+  ``<run dir>/ledger/start-NNNN.jsonl``: start-up until the first step's batch arrived, the time in steps, the
+  time blocked in checkpoint blocks, the step and step time of the newest checkpoint sealed in this start, the
+  moment a stop signal arrived, the time after the loop, and the reason the start ended.
+- :func:`read_ledger`: every start's last record, an end reason inferred for the starts that wrote none.
+- :func:`summarize`: the goodput (kept step time / allocated time) and the parts of each start and in all.
+
+The clock rule: every duration in a record is a difference of this process's ``time.perf_counter`` (a
+monotonic clock), counted from the process's own start (its age from ``/proc/self/stat``, on the node's boot
+clock). No wall-clock time is compared, within a start or across starts: a node whose clock is an hour behind
+records the same ledger. Across starts only per-start durations are added (and SLURM's own times, which
+``status`` joins: one controller, one clock).
+
+Each record is one JSON line, the whole cumulative state, appended at the first step, after every step long
+enough that the record costs under 1% of it (its write is timed), else every :data:`FLUSH_EVERY_S`, at the loop's end and at the start's end (past :data:`MAX_BYTES`
+the file is replaced by its last record). Appending (not the durable
+replace of :mod:`gwenlake_hpc.base.fsutil`) because the ledger is written every second: one ``write`` per line,
+no fsync but at the end line; a SIGKILL keeps what the process wrote (the kernel has it), so a kill loses at
+most the last second; a crash of the node loses what it had not flushed, which SLURM's elapsed time covers. A
+reader takes each file's last whole line (a torn last line is skipped).
+
+Kept and lost: a start's steps up to its newest sealed checkpoint are kept (the next start resumes there); the
+steps after it are lost and recomputed by the next start, unless the start finished (its model is committed)
+or its loop ended with the checkpoint of its last step sealed (an eviction).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from ..base.fsutil import write_atomic
+
+log = logging.getLogger("gwenlake_hpc.ledger")
+
+#: The folder of the run directory that holds one file per start.
+LEDGER_DIR = "ledger"
+#: Seconds between two records while steps advance (a SIGKILL loses at most this much of a start).
+FLUSH_EVERY_S = 1.0
+#: A start's file is rewritten as its last record once it would grow past this (about 40 minutes of records).
+MAX_BYTES = 1 << 20
+#: End reasons a start records itself.
+FINISHED, EVICTED, TIME_LIMIT, FAILURE, HANG = "finished", "evicted", "time limit", "failure", "hang"
+#: End reasons inferred for a start that recorded none: the process was killed (SIGKILL, out of memory), its
+#: node was lost (SLURM's NODE_FAIL), or it is still running (the newest start of a live job).
+KILLED, LOST_NODE, RUNNING = "killed", "lost node", "running"
+#: Ends no signal announced: what ``job.eval_every=auto``'s mean time between interruptions counts.
+UNANNOUNCED = (KILLED, LOST_NODE, HANG)
+#: The parts of a start's time, in the order ``report`` draws them; they add up to its ``elapsed_s``.
+PARTS = ("startup_s", "kept_s", "lost_s", "checkpoint_s", "after_loop_s", "other_s")
+
+
+def process_age_s() -> float:
+    """Seconds since this process began (``/proc/self/stat`` start time against the boot clock), so that
+    start-up counts the interpreter's own imports; 0.0 where that cannot be read (not Linux)."""
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time, clock ticks after boot
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
+def start_path(run_dir: str | os.PathLike[str], index: int) -> Path:
+    """``<run dir>/ledger/start-NNNN.jsonl``: the file of start ``index`` (0-based, its place in ``run.json``)."""
+    return Path(run_dir) / LEDGER_DIR / f"start-{int(index):04d}.jsonl"
+
+
+class StartLedger:
+    """The ledger of one start, written by rank 0 (the other ranks have none).
+
+    Args:
+        path: the start's file (:func:`start_path`).
+        index: the start's place in ``run.json``'s ``starts`` (0-based).
+        facts: what the start is (host, SLURM job id and restart count), copied into every record.
+        every_s: seconds between two records while steps advance.
+
+    All times are seconds of this process's monotonic clock (see the module's docstring).
+
+    Raises:
+        OSError: the folder cannot be made or the file opened (the job fails before training: a ledger that
+            cannot be written is a run directory that cannot be either).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], index: int, facts: Mapping[str, Any] | None = None,
+                 every_s: float = FLUSH_EVERY_S):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._every = float(every_s)
+        # The process's start on this clock: every elapsed time is perf_counter() - origin.
+        self._origin = time.perf_counter() - process_age_s()
+        self.step_s = 0.0  # whole steps, from the batch's request to the loop's next turn, checkpoint blocks in
+        self.checkpoint_s = 0.0  # blocked in run.checkpoint() blocks (added by the loop at each step)
+        self._pending: dict[int, float] = {}  # step of a checkpoint block -> step time up to it (not sealed yet)
+        self.rec: dict[str, Any] = {"v": 1, "start": int(index), **dict(facts or {}), "elapsed_s": 0.0,
+                                    "startup_s": None, "first_step": None, "last_step": None, "step_s": 0.0,
+                                    "checkpoint_s": 0.0, "sealed_step": None, "kept_step_s": 0.0,
+                                    "loop_end_s": None, "stop_s": None, "stop_signal": None, "drain_s": None,
+                                    "end": None}
+        #: Gives the step of the newest sealed checkpoint (None: none yet); the Run sets it.
+        self.sealed_of: Callable[[], int | None] = lambda: None
+        self._fh = open(self.path, "a", encoding="utf-8")
+        self._next = 0.0
+        self._cost = 1.0  # seconds a record takes to write, measured (a start's first records: assume slow)
+        self.flush()
+
+    def now(self) -> float:
+        """Seconds since this process began."""
+        return time.perf_counter() - self._origin
+
+    def first_step(self, step: int, batch_arrived: float) -> None:
+        """The loop's first step got its batch at ``batch_arrived`` (``perf_counter`` s): start-up ends there."""
+        self.rec["first_step"] = int(step)
+        self.rec["startup_s"] = round(batch_arrived - self._origin, 6)
+        self.flush()
+
+    def step_done(self, step: int, whole_s: float, checkpoint_total_s: float, checkpointed: bool,
+                  now: float) -> None:
+        """Step ``step`` ended at ``now`` (``perf_counter`` s) after ``whole_s`` seconds; ``checkpoint_total_s``
+        is the run's time in checkpoint blocks so far; ``checkpointed``: the step wrote one (not sealed yet,
+        perhaps). Called at every step: a record is written at most every ``every_s``, with the newest sealed
+        checkpoint's step as :attr:`sealed_of` tells it."""
+        self.step_s += whole_s
+        self.checkpoint_s = checkpoint_total_s
+        self.rec["last_step"] = step
+        if checkpointed:
+            self._pending[step] = self.step_s - checkpoint_total_s
+        # every step long enough that its record costs under 1% of it (a kill then loses nothing), else once
+        # every ``every_s``
+        if now >= self._next or whole_s >= 100.0 * self._cost:
+            self.sealed(self.sealed_of())
+            self.flush(now)
+
+    def sealed(self, step: int | None) -> None:
+        """The newest sealed checkpoint is of ``step`` (one of this start's blocks, else ignored)."""
+        if step is None or step not in self._pending:
+            return
+        self.rec["sealed_step"], self.rec["kept_step_s"] = step, round(self._pending[step], 6)
+        for s in [s for s in self._pending if s < step]:
+            del self._pending[s]
+
+    def loop_ended(self) -> None:
+        """The loop is over (its final checkpoint sealed): what follows is the job's end (commit, tracking)."""
+        self.sealed(self.sealed_of())
+        self.rec["loop_end_s"] = round(self.now(), 6)
+        self.flush()
+
+    def end(self, reason: str, stop_received_at: float | None = None, stop_signal: str | None = None) -> None:
+        """Write the start's last record: ``reason`` (:data:`FINISHED`, :data:`EVICTED`, :data:`TIME_LIMIT`,
+        :data:`FAILURE`), and the drain from the stop signal (``time.monotonic()`` when it arrived) to now.
+        Synced to disk: the one record a crash of the node must not lose."""
+        if stop_received_at is not None:
+            self.rec["drain_s"] = round(max(0.0, time.monotonic() - stop_received_at), 6)
+            self.rec["stop_s"] = round(max(0.0, self.now() - self.rec["drain_s"]), 6)
+            self.rec["stop_signal"] = stop_signal
+        self.rec["end"] = reason
+        self.flush()
+        try:
+            os.fsync(self._fh.fileno())
+        except OSError:
+            pass
+        self.close()
+
+    def flush(self, now: float | None = None) -> None:
+        """Append the cumulative record (a write error is logged once: the ledger never fails a training)."""
+        if self._fh.closed:
+            return
+        now = time.perf_counter() if now is None else now
+        rec = self.rec
+        rec["elapsed_s"] = round(now - self._origin, 6)
+        rec["step_s"] = round(max(self.step_s - self.checkpoint_s, 0.0), 6)
+        rec["checkpoint_s"] = round(self.checkpoint_s, 6)
+        # step time up to each checkpoint of this start not older than the sealed one: the next start's resume
+        # point says which of them was kept (a seal may land between two records)
+        rec["marks"] = {str(k): round(v, 6) for k, v in self._pending.items()}
+        self._next = now + self._every
+        began = time.perf_counter()
+        line = json.dumps(rec, separators=(",", ":")) + "\n"
+        try:
+            if self._fh.tell() + len(line) > MAX_BYTES:
+                # a long start: the file becomes its last record again (the durable replace), then grows anew
+                self._fh.close()
+                write_atomic(self.path, line)
+                self._fh = open(self.path, "a", encoding="utf-8")
+            else:
+                self._fh.write(line)
+                self._fh.flush()
+            took = time.perf_counter() - began
+            self._cost = took if self._cost >= 1.0 else 0.8 * self._cost + 0.2 * took
+        except (OSError, ValueError) as exc:
+            log.warning("the goodput ledger %s could not be written: %s (training goes on)", self.path, exc)
+            self.close()
+
+    def close(self) -> None:
+        try:
+            self._fh.close()
+        except OSError:
+            pass
+
+
+def append_end(path: str | os.PathLike[str], reason: str) -> bool:
+    """Record ``reason`` as the end of a start from outside its process (the hang watchdog, once it killed it):
+    the start's last record (its file, :func:`start_path`) again with ``end`` set. Returns False when the start
+    has no record or already recorded an end."""
+    path = Path(path)
+    last = _last_record(path)
+    if last is not None and last.get("end") is not None:
+        return False
+    if last is None:
+        return False
+    last["end"] = reason
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(last, separators=(",", ":")) + "\n")
+    return True
+
+
+def _last_record(path: Path) -> dict[str, Any] | None:
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line torn by a kill in the middle of its write
+        if isinstance(rec, dict):
+            return rec
+    return None
+
+
+def read_ledger(run_dir: str | os.PathLike[str], live: bool = False,
+                lost_nodes: Iterable[int] = ()) -> list[dict[str, Any]]:
+    """Every start's last record, oldest first, each with ``end`` set.
+
+    Args:
+        run_dir: the run directory.
+        live: the run's job is still running: its newest start without an end is :data:`RUNNING`.
+        lost_nodes: indexes of starts SLURM says ended with their node (NODE_FAIL).
+
+    Returns:
+        The records (see :class:`StartLedger`); a start that recorded no end is :data:`KILLED`,
+        :data:`LOST_NODE` or :data:`RUNNING`. Empty when the run has no ledger (an older run).
+    """
+    folder = Path(run_dir) / LEDGER_DIR
+    recs = [r for r in (_last_record(p) for p in sorted(folder.glob("start-*.jsonl"))) if r is not None]
+    lost = set(lost_nodes)
+    resumed_at = None  # the resume step of the next start that reached its loop
+    for i in range(len(recs) - 1, -1, -1):
+        rec = recs[i]
+        if rec.get("end") is None:
+            rec["end"] = (LOST_NODE if rec.get("start") in lost else
+                          RUNNING if live and i == len(recs) - 1 else KILLED)
+        rec["next_resumed_at"] = resumed_at
+        if rec.get("first_step") is not None:
+            resumed_at = int(rec["first_step"]) - 1
+    return recs
+
+
+def parts(rec: Mapping[str, Any]) -> dict[str, float]:
+    """The parts of one start's ``elapsed_s`` (:data:`PARTS`, seconds; they add up to it).
+
+    ``kept_s``: step time whose progress the run kept; ``lost_s``: step time after the newest checkpoint sealed
+    in the start, recomputed by the next one; ``checkpoint_s``: blocked in checkpoint blocks; ``after_loop_s``:
+    from the loop's end to the last record (final seal, commit, tracking); ``other_s``: the rest (between
+    steps, and for a killed start the time between its last record and the kill is not in ``elapsed_s``).
+    """
+    elapsed, step_s = float(rec.get("elapsed_s") or 0.0), float(rec.get("step_s") or 0.0)
+    startup = float(rec["startup_s"]) if rec.get("startup_s") is not None else elapsed
+    if rec.get("startup_s") is None:
+        step_s = 0.0  # never reached its first step: all of it was start-up
+    kept = min(_kept_step_s(rec), step_s)
+    checkpoint = float(rec.get("checkpoint_s") or 0.0)
+    after = max(0.0, elapsed - float(rec["loop_end_s"])) if rec.get("loop_end_s") is not None else 0.0
+    other = max(0.0, elapsed - startup - step_s - checkpoint - after)
+    return {"startup_s": startup, "kept_s": kept, "lost_s": step_s - kept, "checkpoint_s": checkpoint,
+            "after_loop_s": after, "other_s": other}
+
+
+def kept_step(rec: Mapping[str, Any]) -> int | None:
+    """The last step of the start whose progress the run kept: its last step when it finished; else the step
+    the next start resumed from (``next_resumed_at``, set by :func:`read_ledger`) when there is one, else the
+    newest checkpoint sealed in the start; None when the start kept nothing (or had no step)."""
+    first, last = rec.get("first_step"), rec.get("last_step")
+    if first is None or last is None:
+        return None
+    if rec.get("end") == FINISHED:
+        return int(last)
+    kept = rec.get("next_resumed_at")
+    if kept is None:
+        kept = rec.get("sealed_step")
+    if kept is None or int(kept) < int(first):
+        return None
+    return min(int(kept), int(last))
+
+
+def _kept_step_s(rec: Mapping[str, Any]) -> float:
+    kept = kept_step(rec)
+    if kept is None:
+        return 0.0
+    if kept == rec.get("last_step") and rec.get("end") in (FINISHED, EVICTED, TIME_LIMIT):
+        return float(rec.get("step_s") or 0.0)
+    marks = rec.get("marks") or {}
+    if str(kept) in marks:
+        return float(marks[str(kept)])
+    if kept == rec.get("sealed_step"):
+        return float(rec.get("kept_step_s") or 0.0)
+    # resumed from a step this start's records never saw sealed or written: its steps' mean time
+    first, last = int(rec["first_step"]), int(rec["last_step"])
+    return float(rec.get("step_s") or 0.0) * (kept - first + 1) / max(last - first + 1, 1)
+
+
+def lost_steps(rec: Mapping[str, Any]) -> int:
+    """Steps of the start recomputed by a later one (after the last step it kept, :func:`kept_step`)."""
+    if rec.get("first_step") is None or rec.get("last_step") is None:
+        return 0
+    kept = kept_step(rec)
+    since = int(rec["first_step"]) - 1 if kept is None else kept
+    return max(0, int(rec["last_step"]) - since)
+
+
+def summarize(recs: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The run's goodput from its starts' records (:func:`read_ledger`).
+
+    Returns:
+        ``starts`` (count), ``allocated_s`` (the starts' elapsed times added), each part of :data:`PARTS` added
+        (seconds), ``lost_steps``, ``goodput`` (``kept_s / allocated_s``, 0..1; None with nothing allocated),
+        ``largest_loss`` (the part other than ``kept_s`` with the most seconds, None when none), ``ends``
+        (reason -> count), ``unannounced`` (starts ended by a kill, a lost node or a hang) and ``drain_s``
+        (stop signal to exit, added over the starts that had one), ``queue_s`` (the starts' waits in SLURM's
+        queue from eligible to started, as the controller timed them; not allocated time).
+    """
+    total = {k: 0.0 for k in PARTS}
+    ends: dict[str, int] = {}
+    allocated, lost, drain, queue = 0.0, 0, 0.0, 0.0
+    for rec in recs:
+        queue += float(rec.get("queue_s") or 0.0)
+        for k, v in parts(rec).items():
+            total[k] += v
+        allocated += float(rec.get("elapsed_s") or 0.0)
+        lost += lost_steps(rec)
+        drain += float(rec.get("drain_s") or 0.0)
+        ends[str(rec.get("end"))] = ends.get(str(rec.get("end")), 0) + 1
+    losses = {k: v for k, v in total.items() if k != "kept_s" and v > 0}
+    return {"starts": len(recs), "allocated_s": allocated, **total, "lost_steps": lost,
+            "goodput": total["kept_s"] / allocated if allocated > 0 else None,
+            "largest_loss": max(losses, key=losses.__getitem__) if losses else None,
+            "ends": ends, "unannounced": sum(ends.get(e, 0) for e in UNANNOUNCED), "drain_s": drain,
+            "queue_s": queue}
+
+
+def describe(summary: Mapping[str, Any]) -> str:
+    """``goodput 0.82 of 1.4 h (largest loss: lost steps 0.1 h)``; "" when the run has no ledger."""
+    if not summary.get("starts") or summary.get("goodput") is None:
+        return ""
+    loss = summary.get("largest_loss")
+    said = (f" (largest loss: {loss[:-2].replace('_', ' ')} {_hours(summary[loss])})" if loss else "")
+    queued = f", queued {_hours(summary['queue_s'])}" if summary.get("queue_s") else ""
+    return f"goodput {summary['goodput']:.2f} of {_hours(summary['allocated_s'])}{said}{queued}"
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.2f} h" if seconds >= 360 else f"{seconds:.0f} s"

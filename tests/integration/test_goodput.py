@@ -1,0 +1,63 @@
+"""The goodput ledger of a real run of three starts (real processes): SIGTERMed, SIGKILLed after a checkpoint and
+some steps (on a host whose clock is an hour behind), then finished."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+from gwenlake_hpc.runtime import ledger as ledgers
+from helpers.jobs import run_dir_of
+
+
+def _timed(project, *args, env, check):
+    began = time.monotonic()
+    proc = project.run(*args, env=env)
+    wall = time.monotonic() - began
+    assert proc.returncode == check, proc.stdout + proc.stderr
+    return proc, wall
+
+
+def test_three_starts_sigterm_sigkill_finish_ledger(project):
+    base = {"GWL_TEST_SLEEP": "0.05"}
+    _, wall0 = _timed(project, "+job=t", env={**base, "GWL_TEST_SIGTERM_AT": "12"}, check=75)
+    # killed as step 34 begins: step 30's checkpoint was sealed (3 s of slack at step 33), 31..33 are lost
+    _, wall1 = _timed(project, "+job=t", env={**base, "GWL_TEST_SIGKILL_AT": "34", "GWL_TEST_SLOW_STEPS": "33:3",
+                                              "GWL_TEST_CLOCK_SHIFT_S": "-3600"}, check=-signal.SIGKILL)
+    _, wall2 = _timed(project, "+job=t", env=base, check=0)
+    run_dir = run_dir_of(project)
+
+    recs = ledgers.read_ledger(run_dir)
+    assert [r["end"] for r in recs] == ["evicted", "killed", "finished"]
+    assert [r["start"] for r in recs] == [0, 1, 2]
+    # the stop during step 12 ends the loop after step 13 with its checkpoint; the next start resumes there
+    assert [(r["first_step"], r["last_step"]) for r in recs] == [(1, 13), (14, 33), (31, 60)]
+    assert recs[0]["stop_signal"] == "SIGTERM" and recs[0]["drain_s"] > 0
+    assert ledgers.lost_steps(recs[0]) == 0
+    assert recs[1]["next_resumed_at"] == 30 and ledgers.lost_steps(recs[1]) == 33 - 30
+    assert ledgers.lost_steps(recs[2]) == 0
+    for rec, wall in zip(recs, (wall0, wall1, wall2)):
+        parts = ledgers.parts(rec)
+        assert abs(sum(parts.values()) - rec["elapsed_s"]) < 1e-3, (parts, rec)
+        # the process's own age, on its monotonic clock: never above what this side measured around it; the
+        # killed start's last second (its last record) and the interpreter's exit are missing at most
+        assert wall - 4.0 < rec["elapsed_s"] <= wall + 0.05, (rec, wall)
+        assert parts["startup_s"] > 0 and parts["kept_s"] > 0
+    # the killed start's lost time: the steps after its sealed checkpoint, 31..33 (step 33 took 3 s more)
+    lost1 = ledgers.parts(recs[1])["lost_s"]
+    assert 3.0 < lost1 < 3.0 + 3 * 2.0, recs[1]
+    total = ledgers.summarize(recs)
+    assert total["lost_steps"] == 3 and total["unannounced"] == 1 and total["starts"] == 3
+    assert abs(total["allocated_s"] - sum(r["elapsed_s"] for r in recs)) < 1e-6
+    assert 0 < total["goodput"] < 1
+    assert total["goodput"] == total["kept_s"] / total["allocated_s"]
+
+    # the version's lineage holds the same totals, and the clock-shifted start changed none of it
+    info = json.loads((run_dir / "run.json").read_text())
+    assert [s["first_step"] for s in info["starts"]] == [1, 14, 31]
+    version = info["completed"]["version"]
+    lineage = json.loads(project.git("show", f"{version}:t/model/lineage.json"))
+    assert lineage["goodput"]["lost_steps"] == 3
+    assert lineage["goodput"]["starts"] == 3
+    assert lineage["goodput"]["ends"] == {"evicted": 1, "killed": 1, "finished": 1}
