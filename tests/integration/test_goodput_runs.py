@@ -8,7 +8,7 @@ import signal
 import time
 
 from gwenlake_hpc.runtime import ledger as ledgers
-from helpers.jobs import run_dir_of
+from helpers.jobs import mlflow_runs, run_dir_of
 
 
 def _timed(project, *args, env, check):
@@ -61,3 +61,29 @@ def test_three_starts_sigterm_sigkill_finish_ledger(project):
     assert lineage["goodput"]["lost_steps"] == 3
     assert lineage["goodput"]["starts"] == 3
     assert lineage["goodput"]["ends"] == {"evicted": 1, "killed": 1, "finished": 1}
+
+
+def test_eval_every_auto_chooses_the_interval_from_the_run_s_steps_and_logs_it(project):
+    # a 0.2 s stall in each checkpoint block, an interruption every 3.6 s assumed (job.mtbf_h=0.001): Young/Daly's
+    # sqrt(2 C M) is about 1.2 s, over job.max_eval_interval_s=0.5, so every interval is 0.5 s of plain steps
+    proc = project.run("+job=t", "job.eval_every=auto", "job.mtbf_h=0.001", "job.max_eval_interval_s=0.5",
+                       "job.steps=150", env={"GWL_TEST_SLEEP": "0.02", "GWL_TEST_SLEEP_IN_CKPT": "0.2"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    client, runs = mlflow_runs(project)
+    (r,) = runs
+    steps = {m.step: m.value for m in client.get_metric_history(r.info.run_id, "checkpoint/interval_steps")}
+    seconds = {m.step: m.value for m in client.get_metric_history(r.info.run_id, "checkpoint/interval_s")}
+    costs = {m.step: m.value for m in client.get_metric_history(r.info.run_id, "checkpoint/cost_s")}
+    evals = sorted(steps)
+    assert evals[0] == 3  # the first evaluation of a start: its third step
+    assert len(evals) >= 3, steps
+    # each evaluation comes the chosen number of steps after the one before it (the last step is one too)
+    for a, b in zip(evals, evals[1:]):
+        assert b == a + int(steps[a]) or b == 150, (a, b, steps)
+    assert all(v == 0.5 for v in seconds.values()), seconds
+    assert all(c > 0.1 for c in costs.values()), costs  # the block's 0.2 s, less the plain steps' noise
+    assert all(v >= 1 for v in steps.values())
+    # the checkpoints kept (keep=3) are at the last evaluation steps
+    ck = run_dir_of(project) / "checkpoints"
+    kept = sorted(int(p.name.split("-")[1]) for p in ck.glob("step-*"))
+    assert kept == sorted(set(evals) | {150})[-3:], (kept, evals)
