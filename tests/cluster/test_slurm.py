@@ -89,6 +89,17 @@ def test_preemption_requeued_by_slurm_once_and_resumes(project):
     assert run.info.status == "FINISHED"
     info = json.loads((run_dir(project) / "run.json").read_text())
     assert [s.get("SLURM_RESTART_COUNT", "0") for s in info["starts"]] == ["0", "1"]
+    # The goodput ledger: the preempted start ended as an eviction (SIGTERM, drained), its last step kept by
+    # its final checkpoint; SLURM's controller gave each start's queue wait.
+    recs = [json.loads((run_dir(project) / "ledger" / f"start-{i:04d}.jsonl").read_text().splitlines()[-1])
+            for i in (0, 1)]
+    assert [r["end"] for r in recs] == ["evicted", "finished"], recs
+    assert recs[0]["stop_signal"] == "SIGTERM" and recs[0]["drain_s"] > 0, recs[0]
+    assert recs[0]["sealed_step"] == recs[0]["last_step"] == recs[1]["first_step"] - 1, recs
+    assert all(r["queue_s"] >= 0 for r in recs) and recs[1]["last_step"] == 300, recs
+    status = next(ln for ln in project.run("status", check=0).stdout.splitlines() if ln.split()[:1] == [job])
+    assert re.search(r"goodput 0\.\d\d of ", status), status
+    assert 0 < run.data.metrics["goodput/goodput"] < 1 and run.data.metrics["goodput/starts"] == 2
 
 
 def test_preemption_with_a_large_state_seals_its_final_checkpoint_and_resumes(project):

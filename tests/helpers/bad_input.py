@@ -12,10 +12,16 @@ def snapshot(root):
     """sha256 of every file under runs/ and the model branch: what must survive a bad command."""
     out = {}
     for p in sorted((root / "runs").rglob("*")):
-        # run.json records each start; checkpoints and outputs are what must not change
-        if p.is_file() and p.name not in ("mlflow.db", "run.json", ".lock"):
+        # run.json and the goodput ledger (ledger/start-*.jsonl) record each start; checkpoints and outputs are
+        # what must not change
+        if p.is_file() and p.name not in ("mlflow.db", "run.json", ".lock") and p.parent.name != "ledger":
             out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
+
+
+def ledger_files(root):
+    """The goodput ledger's files under runs/ (one per start)."""
+    return sorted(str(p.relative_to(root)) for p in (root / "runs").rglob("ledger/start-*.jsonl"))
 
 
 def train_t(project):

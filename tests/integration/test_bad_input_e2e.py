@@ -7,7 +7,7 @@ from __future__ import annotations
 import h5py
 import numpy as np
 import pytest
-from helpers.bad_input import train_t, snapshot
+from helpers.bad_input import ledger_files, snapshot, train_t
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +36,14 @@ def test_config_errors_exit_2_and_delete_nothing(trained_once, args, needle):
     trained = trained_once
     before = snapshot(trained.root)
     starts = (next((trained.root / "runs" / "t.model").iterdir()) / "run.json").read_text()
+    ledgers = ledger_files(trained.root)
+    assert ledgers  # the training before wrote its start's
     proc = trained.run(*args, "job.tracking=false" if "tracking.uri" not in " ".join(args) else "job.tracking=true")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert needle in proc.stdout + proc.stderr
     assert snapshot(trained.root) == before
     assert (next((trained.root / "runs" / "t.model").iterdir()) / "run.json").read_text() == starts  # no start
+    assert ledger_files(trained.root) == ledgers
 
 
 @pytest.mark.slow

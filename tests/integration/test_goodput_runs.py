@@ -7,6 +7,8 @@ import json
 import signal
 import time
 
+import pytest
+
 from gwenlake_hpc.runtime import ledger as ledgers
 from helpers.jobs import mlflow_runs, run_dir_of
 
@@ -61,6 +63,22 @@ def test_three_starts_sigterm_sigkill_finish_ledger(project):
     assert lineage["goodput"]["lost_steps"] == 3
     assert lineage["goodput"]["starts"] == 3
     assert lineage["goodput"]["ends"] == {"evicted": 1, "killed": 1, "finished": 1}
+
+    # MLflow's goodput/* at the end and `report`'s report.json add up the same ledger
+    client, runs = mlflow_runs(project)
+    metrics = runs[0].data.metrics
+    # logged as the last start's loop ended: the same kept time, less allocated (the commit came after)
+    assert metrics["goodput/kept_s"] == pytest.approx(total["kept_s"], abs=1e-6), (metrics, total)
+    assert total["goodput"] < metrics["goodput/goodput"] == pytest.approx(
+        metrics["goodput/kept_s"] / metrics["goodput/allocated_s"], rel=1e-6)
+    assert metrics["goodput/lost_steps"] == 3
+    assert metrics["goodput/starts"] == 3 and metrics["goodput/unannounced"] == 1
+    project.run("report", str(run_dir), check=0)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert [s["end"] for s in report["starts"]] == ["evicted", "killed", "finished"]
+    assert report["goodput"]["lost_steps"] == 3
+    assert abs(report["goodput"]["goodput"] - total["goodput"]) < 1e-9
+    assert abs(report["starts"][1]["lost_s"] - lost1) < 1e-9
 
 
 def test_eval_every_auto_chooses_the_interval_from_the_run_s_steps_and_logs_it(project):

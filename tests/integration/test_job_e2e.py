@@ -68,8 +68,13 @@ def test_sigterm_at_random_step_resumes_bit_identical(project):
     report = project.run("report", str(run_dir), "--smoothing", "0.9", check=0)
     assert f"restart(s) marked at steps [{evict_step + 1}]; smoothing 0.9" in report.stdout
     assert (run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((run_dir / "report.json").read_text()) == {"restarts_at_step": [evict_step + 1],
-                                                                 "smoothing": 0.9}
+    facts = json.loads((run_dir / "report.json").read_text())
+    assert (facts["restarts_at_step"], facts["smoothing"]) == ([evict_step + 1], 0.9)
+    # the goodput ledger's two starts (the rerun that found nothing to train made none)
+    assert [(s["start"], s["end"], s["first_step"]) for s in facts["starts"]] == [
+        (0, "evicted", 1), (1, "finished", evict_step + 1)]
+    assert facts["goodput"]["starts"] == 2 and facts["goodput"]["lost_steps"] == 0
+    assert 0 < facts["goodput"]["goodput"] < 1
 
 
 @pytest.mark.slow
