@@ -92,6 +92,9 @@ class SshServer:
             "PrintMotd no",
             "LogLevel VERBOSE",
             "MaxStartups 50",
+            # A login shell's `pyenv init` (this machine's ~/.bashrc) waits up to 60 s for pyenv's rehash lock;
+            # one left by a killed shell must not stall every later session of the run.
+            "SetEnv PYENV_REHASH_TIMEOUT=2",
             "Subsystem sftp internal-sftp",
             "",
         ])
@@ -129,15 +132,26 @@ class SshServer:
         return found
 
     def kill_sessions(self) -> int:
-        """SIGKILL every process serving a connection (the client sees the connection drop; the listener
-        stays, so a reconnect succeeds); returns how many."""
+        """Drop every connection as a network failure does: the commands the sessions run get SIGHUP (their
+        shells end as on a hang-up, running their exit traps: a SIGKILLed shell would leave its locks, e.g.
+        pyenv's rehash lock, behind for the next sessions), then the sshd processes serving the connections
+        are SIGKILLed (the client sees the connection drop; the listener stays, so a reconnect succeeds).
+        Returns how many sshd processes were killed."""
         pids = self.session_pids()
-        for pid in pids:
+
+        def is_sshd(pid: int) -> bool:
             try:
-                os.kill(pid, signal.SIGKILL)
+                return Path(f"/proc/{pid}/comm").read_text().startswith("sshd")
+            except OSError:
+                return False
+
+        served = [p for p in pids if is_sshd(p)]
+        for pid, sig in [(p, signal.SIGHUP) for p in pids if p not in served] + [(p, signal.SIGKILL) for p in served]:
+            try:
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        return len(pids)
+        return len(served)
 
     def stop(self) -> None:
         """Stop the listener and every session it serves."""
