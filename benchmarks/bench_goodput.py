@@ -31,15 +31,15 @@ import argparse
 import math
 import os
 import random
-import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import project  # noqa: E402  (benchmarks/project.py)
 
 TRAINER = '''
 import os
@@ -70,15 +70,7 @@ def fit(output, run):
 
 
 def make_project(root: Path) -> Path:
-    shutil.copytree(REPO / "conf", root / "conf")
-    (root / "conf" / "job" / "g.yaml").write_text("target: goodput_train.py:fit\n")
-    (root / "goodput_train.py").write_text(TRAINER)
-    (root / ".gitignore").write_text("runs/\n")
-    git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost"]
-    subprocess.run([*git, "init", "-q", "-b", "main"], cwd=root, check=True)
-    subprocess.run([*git, "add", "-A"], cwd=root, check=True)
-    subprocess.run([*git, "commit", "-q", "-m", "code"], cwd=root, check=True)
-    return root
+    return project.make_project(root, "g", "goodput_train", TRAINER)
 
 
 def start(root: Path, args: list[str]) -> int:

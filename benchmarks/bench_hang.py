@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import project  # noqa: E402  (benchmarks/project.py)
 
 TRAINER = '''
 import ctypes
@@ -62,15 +64,7 @@ def fit(output, run):
 
 
 def make_project(root: Path) -> Path:
-    shutil.copytree(REPO / "conf", root / "conf")
-    (root / "conf" / "job" / "h.yaml").write_text("target: hang_train.py:fit\n")
-    (root / "hang_train.py").write_text(TRAINER)
-    (root / ".gitignore").write_text("runs/\nhung\n")
-    git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost"]
-    subprocess.run([*git, "init", "-q", "-b", "main"], cwd=root, check=True)
-    subprocess.run([*git, "add", "-A"], cwd=root, check=True)
-    subprocess.run([*git, "commit", "-q", "-m", "code"], cwd=root, check=True)
-    return root
+    return project.make_project(root, "h", "hang_train", TRAINER, ("hung",))
 
 
 def loop_us(tmp: Path, steps: int, heartbeat: bool, name: str) -> float:
