@@ -91,8 +91,9 @@ def test_preemption_requeued_by_slurm_once_and_resumes(project):
     assert [s.get("SLURM_RESTART_COUNT", "0") for s in info["starts"]] == ["0", "1"]
     # The goodput ledger: the preempted start ended as an eviction (SIGTERM, drained), its last step kept by
     # its final checkpoint; SLURM's controller gave each start's queue wait.
-    recs = [json.loads((run_dir(project) / "ledger" / f"start-{i:04d}.jsonl").read_text().splitlines()[-1])
-            for i in (0, 1)]
+    from gwenlake_hpc.runtime.ledger import read_ledger
+
+    recs = read_ledger(run_dir(project))
     assert [r["end"] for r in recs] == ["evicted", "finished"], recs
     assert recs[0]["stop_signal"] == "SIGTERM" and recs[0]["drain_s"] > 0, recs[0]
     assert recs[0]["sealed_step"] == recs[0]["last_step"] == recs[1]["first_step"] - 1, recs

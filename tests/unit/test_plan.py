@@ -63,14 +63,19 @@ def test_the_launchers_nodes_and_tasks_per_node_do_not_change_the_run_key(projec
     assert other.key != plans[0].key  # a hyperparameter does change it: the key is not constant
 
 
+def _decorated(eval_every):
+    """A stand-in for a decorated function: what :func:`_effective` reads of it."""
+    return SimpleNamespace(defaults={"steps": 10, "eval_every": eval_every, "seed": 0, "tracking": False},
+                           target="m:f", run_name="f", is_short=False)
+
+
 @pytest.mark.parametrize("given, expected", [("auto", "auto"), (500, 500)])
 def test_the_decorator_s_eval_every_reaches_the_job_auto_included(given, expected):
     """``@train(eval_every="auto")`` is what ``job.eval_every=auto`` is; the config's value wins over it."""
     from gwenlake_hpc.job.config import JobConfig
     from gwenlake_hpc.job.plan import _effective
 
-    tf = SimpleNamespace(defaults={"steps": 10, "eval_every": given, "seed": 0, "tracking": False},
-                         target="m:f", run_name="f", is_short=False)
+    tf = _decorated(given)
     assert _effective(JobConfig(target="m:f"), tf).eval_every == expected
     assert _effective(JobConfig(target="m:f", eval_every=7), tf).eval_every == 7
 
@@ -79,7 +84,6 @@ def test_a_decorator_eval_every_that_is_neither_a_number_nor_auto_is_refused_nam
     from gwenlake_hpc.job.config import JobConfig
     from gwenlake_hpc.job.plan import _effective
 
-    tf = SimpleNamespace(defaults={"steps": 10, "eval_every": "often", "seed": 0, "tracking": False},
-                         target="m:f", run_name="f", is_short=False)
+    tf = _decorated("often")
     with pytest.raises(ConfigError, match="job.eval_every.*auto"):
         _effective(JobConfig(target="m:f"), tf)
