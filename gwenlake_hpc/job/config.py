@@ -154,7 +154,8 @@ class JobConfig:
         rules.positive_number("job.mtbf_h", self.mtbf_h, "hours: the mean time between unannounced "
                               f"interruptions job.eval_every=auto assumes until it has measured one ({DEFAULT_MTBF_H:g} "
                               "by default)")
-        rules.positive_seconds("job.max_eval_interval_s", self.max_eval_interval_s)
+        rules.positive_number("job.max_eval_interval_s", self.max_eval_interval_s, "seconds: the longest interval "
+                              f"job.eval_every=auto chooses ({DEFAULT_MAX_INTERVAL_S:g} by default)")
         if self.steps is not None and self.epochs is not None:
             raise ConfigError(f"job.steps={self.steps} and job.epochs={self.epochs} are both set: keep one "
                               "(e.g. job.steps=null)")

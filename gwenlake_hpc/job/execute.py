@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -208,6 +209,27 @@ class RunLock:
     def release(self) -> None:
         self._fh.close()  # closing drops the flock
 
+    @staticmethod
+    def may_be_held(run_dir: Path) -> bool:
+        """Whether a process may be training ``run_dir`` now: the last holder named in ``.lock`` runs on another
+        host (it cannot be seen from here) or is alive on this one. False when no process ever held it or its
+        holder on this host is gone. Reads only: probing the flock itself could refuse a start at that moment."""
+        try:
+            m = re.fullmatch(r"pid (\d+) on (\S+)", (run_dir / ".lock").read_text().strip())
+        except OSError:
+            return False
+        if m is None:
+            return False
+        if m.group(2) != socket.gethostname():
+            return True
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
 
 def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Dist) -> JobResult:
     info_path = p.run_dir / "run.json"
@@ -240,7 +262,7 @@ def _start_ledger(p: JobPlan, info: Mapping[str, Any], d: Dist) -> Any:
     """This start's goodput ledger (rank 0; None on the other ranks and for a short fit, which has no loop)."""
     if not d.is_main or getattr(p.tf, "is_short", False):
         return None
-    index = len(info["starts"]) - 1
+    index = ledgers.free_index(p.run_dir, len(info["starts"]) - 1)
     last = info["starts"][-1]
     facts = {"host": last.get("host"), "slurm_job_id": last.get("SLURM_JOB_ID"),
              "slurm_restart_count": last.get("SLURM_RESTART_COUNT"), "world_size": d.world_size,
@@ -271,8 +293,21 @@ def _end_reason(exit_code: int, stop: StopRequest) -> str:
 
 
 def _run_record(p: JobPlan, info_path: Path) -> dict[str, Any]:
-    """The run's record (``run.json``) as earlier starts left it, or a new one from the plan."""
-    info = read_json(info_path, default=None) or {
+    """The run's record (``run.json``) as earlier starts left it, or a new one from the plan.
+
+    Raises:
+        ConfigError: ``run.json`` is not a JSON object with a list of starts (edited, truncated by hand): the
+            run is not touched.
+    """
+    try:
+        info = read_json(info_path, default=None)
+    except ValueError as exc:
+        info = exc
+    if info is not None and not (isinstance(info, dict) and isinstance(info.get("starts", []), list)):
+        why = f"not JSON ({info})" if isinstance(info, ValueError) else "not an object with a list of starts"
+        raise ConfigError(f"{info_path} is damaged: {why}. Restore it from a copy, or move the run directory "
+                          "aside to train the run anew")
+    info = info or {
         "run_key": p.key, "model": p.model_name, "run_name": p.run_name, "target": p.tf.target,
         "params": p.params, "seed": p.seed, "datasets": p.dataset_facts, "init_models": p.model_versions,
         "created": time.time(), "starts": [], "completed": None,

@@ -145,6 +145,8 @@ def goodput_totals(p: JobPlan, run: Run, start: Start, evicted: bool = False) ->
     recs = ledgers.read_ledger(p.run_dir)
     if recs:
         recs[-1]["end"] = ledgers.EVICTED if evicted else ledgers.FINISHED
+        if evicted and start.stop.received_at is not None:  # this start's drain so far (its end adds the rest)
+            recs[-1]["drain_s"] = max(0.0, time.monotonic() - start.stop.received_at)
     totals = ledgers.summarize(recs)
     values = {f"goodput/{k}": float(totals[k]) for k in ("allocated_s", *ledgers.PARTS, "lost_steps", "starts",
                                                           "unannounced", "drain_s")}

@@ -329,6 +329,9 @@ def _end(spec: Mapping[str, Any], record: Mapping[str, Any], limit_s: float) -> 
                       flush=True)
     pid = int(spec["pid"])
     _clean(spec, killing=True)  # before the kill: srun may end this watchdog with the step
+    from ..runtime.ledger import append_end, process_age_s
+
+    age_s = process_age_s(pid) if spec.get("ledger") else None  # the hung start's time, up to its kill
     children = _children(pid)  # DataLoader workers and the like: read before the rank dies (then reparented)
     for target in [pid, *children]:
         try:
@@ -339,10 +342,8 @@ def _end(spec: Mapping[str, Any], record: Mapping[str, Any], limit_s: float) -> 
     while _alive(pid) and time.monotonic() < deadline:  # so that its files can be removed (watch's end)
         time.sleep(0.1)
     if spec.get("ledger"):  # rank 0's goodput ledger: its start ended by a hang (the rank can no longer say so)
-        from ..runtime.ledger import append_end
-
         try:
-            append_end(spec["ledger"], "hang")
+            append_end(spec["ledger"], "hang", elapsed_s=age_s or None)
         except OSError as exc:
             print(f"gwenlake_hpc: hang watchdog: could not record the hang in the ledger: {exc}", file=sys.stderr,
                   flush=True)

@@ -11,7 +11,8 @@ Responsibilities of :class:`AutoInterval`, one per Run with ``eval_every=auto``:
   checkpoint block, the evaluation and anything else the step does only at ``at_eval``);
 - at each evaluation choose T = sqrt(2 C M), never shorter than the previous checkpoint's background write (a
   checkpoint waits for the one in flight) and never longer than ``job.max_eval_interval_s``, turned into steps
-  by the plain step time; log it (``checkpoint/interval_steps``, ``checkpoint/interval_s``, ``checkpoint/cost_s``);
+  by the plain step time and never under :data:`MIN_INTERVAL_STEPS` (so that every interval measures a plain
+  step again: one slow plain step cannot pin the run to an evaluation at every step); log it (``checkpoint/interval_steps``, ``checkpoint/interval_s``, ``checkpoint/cost_s``);
 - in a multi-rank run, take rank 0's choice on every rank (a broadcast at each evaluation): every rank must
   evaluate at the same steps.
 
@@ -32,12 +33,18 @@ DEFAULT_MTBF_H = 24.0
 DEFAULT_MAX_INTERVAL_S = 1800.0
 #: What ``job.eval_every`` accepts besides a whole number.
 AUTO = "auto"
+#: The shortest interval ``auto`` chooses, in steps: one evaluation step and at least one plain step measured.
+MIN_INTERVAL_STEPS = 2
 
 
 def young_daly_s(cost_s: float, mtbf_s: float) -> float:
     """The interval sqrt(2 C M) in seconds for a checkpoint cost ``cost_s`` and a mean time between
-    interruptions ``mtbf_s`` (both seconds, >= 0)."""
-    return math.sqrt(2.0 * max(cost_s, 0.0) * max(mtbf_s, 0.0))
+    interruptions ``mtbf_s`` (both seconds, >= 0; M may be ``inf``). 0.0 for a free checkpoint (C = 0, any M),
+    ``inf`` for C > 0 and M infinite; never NaN."""
+    cost, mtbf = max(cost_s, 0.0), max(mtbf_s, 0.0)
+    if cost == 0.0 or mtbf == 0.0:
+        return 0.0
+    return math.sqrt(2.0 * cost * mtbf)
 
 
 def expected_goodput(cost_s: float, mtbf_s: float) -> float:
@@ -87,7 +94,7 @@ class AutoInterval:
 
     def choose(self, step: int, eval_s: float) -> int:
         """Set :attr:`next_step` after the evaluation step ``step`` that took ``eval_s`` seconds; returns the
-        interval in steps (>= 1)."""
+        interval in steps (>= :data:`MIN_INTERVAL_STEPS`)."""
         if self._plain_n:
             self._plain_mean = self._plain_s / self._plain_n
         plain = self._plain_mean
@@ -95,7 +102,8 @@ class AutoInterval:
         interval = young_daly_s(cost, self._mtbf_s())
         floor = self._write_s() or 0.0
         interval = min(max(interval, floor), self._max_s)
-        steps = max(1, int(round(interval / plain))) if plain > 0 else 1
+        steps = int(round(interval / plain)) if plain > 0 and math.isfinite(interval / plain) else 1
+        steps = max(MIN_INTERVAL_STEPS, steps)
         if self._broadcast is not None:
             steps = int(self._broadcast(steps))
         self.interval_steps, self.interval_s, self.cost_s = steps, interval, cost

@@ -16,8 +16,10 @@ records the same ledger. Across starts only per-start durations are added (and S
 ``status`` joins: one controller, one clock).
 
 Each record is one JSON line, the whole cumulative state, appended at the first step, after every step long
-enough that the record costs under 1% of it (its write is timed), else every :data:`FLUSH_EVERY_S`, at the loop's end and at the start's end (past :data:`MAX_BYTES`
-the file is replaced by its last record). Appending (not the durable
+enough that the record costs under 1% of it (its write is timed), else every :data:`FLUSH_EVERY_S`, at the loop's
+end and at the start's end (past :data:`MAX_BYTES` the file is replaced by its last record). A thread of the
+ledger appends one every :data:`FLUSH_EVERY_S` when no step did (start-up, a long step, a hang), so the time
+until a kill is in ``elapsed_s`` to the second wherever the process stood. Appending (not the durable
 replace of :mod:`gwenlake_hpc.base.fsutil`) because the ledger is written every second: one ``write`` per line,
 no fsync but at the end line; a SIGKILL keeps what the process wrote (the kernel has it), so a kill loses at
 most the last second; a crash of the node loses what it had not flushed, which SLURM's elapsed time covers. A
@@ -25,7 +27,9 @@ reader takes each file's last whole line (a torn last line is skipped).
 
 Kept and lost: a start's steps up to its newest sealed checkpoint are kept (the next start resumes there); the
 steps after it are lost and recomputed by the next start, unless the start finished (its model is committed)
-or its loop ended with the checkpoint of its last step sealed (an eviction).
+or its loop ended with the checkpoint of its last step sealed (an eviction). A start that ended unannounced (a
+kill, a lost node, a hang) in the middle of its loop also lost the step it was in: the time from its last whole
+step to its last record (``step_end_s``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -58,11 +63,12 @@ UNANNOUNCED = (KILLED, LOST_NODE, HANG)
 PARTS = ("startup_s", "kept_s", "lost_s", "checkpoint_s", "after_loop_s", "other_s")
 
 
-def process_age_s() -> float:
-    """Seconds since this process began (``/proc/self/stat`` start time against the boot clock), so that
-    start-up counts the interpreter's own imports; 0.0 where that cannot be read (not Linux)."""
+def process_age_s(pid: int | None = None) -> float:
+    """Seconds since this process (or process ``pid`` of this host) began (``/proc/<pid>/stat`` start time
+    against the boot clock), so that start-up counts the interpreter's own imports; 0.0 where that cannot be
+    read (not Linux, no such process)."""
     try:
-        with open("/proc/self/stat", "rb") as fh:
+        with open(f"/proc/{pid if pid is not None else 'self'}/stat", "rb") as fh:
             fields = fh.read().rsplit(b")", 1)[1].split()
         started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time, clock ticks after boot
         return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
@@ -73,6 +79,14 @@ def process_age_s() -> float:
 def start_path(run_dir: str | os.PathLike[str], index: int) -> Path:
     """``<run dir>/ledger/start-NNNN.jsonl``: the file of start ``index`` (0-based, its place in ``run.json``)."""
     return Path(run_dir) / LEDGER_DIR / f"start-{int(index):04d}.jsonl"
+
+
+def free_index(run_dir: str | os.PathLike[str], index: int) -> int:
+    """``index`` (a start's place in ``run.json``), or one past the newest start file already in the ledger when
+    that is not below it: a ``run.json`` that lost starts (edited, restored from a copy) never makes a start
+    append to another start's file."""
+    taken = [int(f.name[6:-6]) for f in (Path(run_dir) / LEDGER_DIR).glob("start-*.jsonl") if f.name[6:-6].isdigit()]
+    return max(int(index), max(taken) + 1) if taken else int(index)
 
 
 class StartLedger:
@@ -104,14 +118,24 @@ class StartLedger:
         self.rec: dict[str, Any] = {"v": 1, "start": int(index), **dict(facts or {}), "elapsed_s": 0.0,
                                     "startup_s": None, "first_step": None, "last_step": None, "step_s": 0.0,
                                     "checkpoint_s": 0.0, "sealed_step": None, "kept_step_s": 0.0,
-                                    "loop_end_s": None, "stop_s": None, "stop_signal": None, "drain_s": None,
-                                    "end": None}
+                                    "step_end_s": None, "loop_end_s": None, "stop_s": None, "stop_signal": None,
+                                    "drain_s": None, "end": None}
         #: Gives the step of the newest sealed checkpoint (None: none yet); the Run sets it.
         self.sealed_of: Callable[[], int | None] = lambda: None
         self._fh = open(self.path, "a", encoding="utf-8")
         self._next = 0.0
         self._cost = 1.0  # seconds a record takes to write, measured (a start's first records: assume slow)
+        self._lock = threading.RLock()  # the loop's records and the ticking thread's
+        self._closed = threading.Event()
         self.flush()
+        self._ticker = threading.Thread(target=self._tick, name="gwenlake-ledger", daemon=True)
+        self._ticker.start()
+
+    def _tick(self) -> None:
+        """A record every ``every_s`` while no step writes one (start-up, a long step, a hang, the end)."""
+        while not self._closed.wait(max(self._every, 0.1)):  # every_s=0 (a record at every step): not a spin
+            if time.perf_counter() >= self._next:
+                self.flush()
 
     def now(self) -> float:
         """Seconds since this process began."""
@@ -119,8 +143,9 @@ class StartLedger:
 
     def first_step(self, step: int, batch_arrived: float) -> None:
         """The loop's first step got its batch at ``batch_arrived`` (``perf_counter`` s): start-up ends there."""
-        self.rec["first_step"] = int(step)
-        self.rec["startup_s"] = round(batch_arrived - self._origin, 6)
+        with self._lock:
+            self.rec["first_step"] = int(step)
+            self.rec["startup_s"] = round(batch_arrived - self._origin, 6)
         self.flush()
 
     def step_done(self, step: int, whole_s: float, checkpoint_total_s: float, checkpointed: bool,
@@ -129,11 +154,13 @@ class StartLedger:
         is the run's time in checkpoint blocks so far; ``checkpointed``: the step wrote one (not sealed yet,
         perhaps). Called at every step: a record is written at most every ``every_s``, with the newest sealed
         checkpoint's step as :attr:`sealed_of` tells it."""
-        self.step_s += whole_s
-        self.checkpoint_s = checkpoint_total_s
-        self.rec["last_step"] = step
-        if checkpointed:
-            self._pending[step] = self.step_s - checkpoint_total_s
+        with self._lock:
+            self.step_s += whole_s
+            self.checkpoint_s = checkpoint_total_s
+            self.rec["last_step"] = step
+            self.rec["step_end_s"] = round(now - self._origin, 6)
+            if checkpointed:
+                self._pending[step] = self.step_s - checkpoint_total_s
         # every step long enough that its record costs under 1% of it (a kill then loses nothing), else once
         # every ``every_s``
         if now >= self._next or whole_s >= 100.0 * self._cost:
@@ -142,27 +169,30 @@ class StartLedger:
 
     def sealed(self, step: int | None) -> None:
         """The newest sealed checkpoint is of ``step`` (one of this start's blocks, else ignored)."""
-        if step is None or step not in self._pending:
-            return
-        self.rec["sealed_step"], self.rec["kept_step_s"] = step, round(self._pending[step], 6)
-        for s in [s for s in self._pending if s < step]:
-            del self._pending[s]
+        with self._lock:
+            if step is None or step not in self._pending:
+                return
+            self.rec["sealed_step"], self.rec["kept_step_s"] = step, round(self._pending[step], 6)
+            for s in [s for s in self._pending if s < step]:
+                del self._pending[s]
 
     def loop_ended(self) -> None:
         """The loop is over (its final checkpoint sealed): what follows is the job's end (commit, tracking)."""
         self.sealed(self.sealed_of())
-        self.rec["loop_end_s"] = round(self.now(), 6)
+        with self._lock:
+            self.rec["loop_end_s"] = round(self.now(), 6)
         self.flush()
 
     def end(self, reason: str, stop_received_at: float | None = None, stop_signal: str | None = None) -> None:
         """Write the start's last record: ``reason`` (:data:`FINISHED`, :data:`EVICTED`, :data:`TIME_LIMIT`,
         :data:`FAILURE`), and the drain from the stop signal (``time.monotonic()`` when it arrived) to now.
         Synced to disk: the one record a crash of the node must not lose."""
-        if stop_received_at is not None:
-            self.rec["drain_s"] = round(max(0.0, time.monotonic() - stop_received_at), 6)
-            self.rec["stop_s"] = round(max(0.0, self.now() - self.rec["drain_s"]), 6)
-            self.rec["stop_signal"] = stop_signal
-        self.rec["end"] = reason
+        with self._lock:
+            if stop_received_at is not None:
+                self.rec["drain_s"] = round(max(0.0, time.monotonic() - stop_received_at), 6)
+                self.rec["stop_s"] = round(max(0.0, self.now() - self.rec["drain_s"]), 6)
+                self.rec["stop_signal"] = stop_signal
+            self.rec["end"] = reason
         self.flush()
         try:
             os.fsync(self._fh.fileno())
@@ -172,9 +202,12 @@ class StartLedger:
 
     def flush(self, now: float | None = None) -> None:
         """Append the cumulative record (a write error is logged once: the ledger never fails a training)."""
+        with self._lock:
+            self._flush(time.perf_counter() if now is None else now)
+
+    def _flush(self, now: float) -> None:
         if self._fh.closed:
             return
-        now = time.perf_counter() if now is None else now
         rec = self.rec
         rec["elapsed_s"] = round(now - self._origin, 6)
         rec["step_s"] = round(max(self.step_s - self.checkpoint_s, 0.0), 6)
@@ -201,16 +234,20 @@ class StartLedger:
             self.close()
 
     def close(self) -> None:
-        try:
-            self._fh.close()
-        except OSError:
-            pass
+        """Stop writing (the ticking thread ends within ``every_s``)."""
+        self._closed.set()
+        with self._lock:
+            try:
+                self._fh.close()
+            except OSError:
+                pass
 
 
-def append_end(path: str | os.PathLike[str], reason: str) -> bool:
+def append_end(path: str | os.PathLike[str], reason: str, elapsed_s: float | None = None) -> bool:
     """Record ``reason`` as the end of a start from outside its process (the hang watchdog, once it killed it):
-    the start's last record (its file, :func:`start_path`) again with ``end`` set. Returns False when the start
-    has no record or already recorded an end."""
+    the start's last record (its file, :func:`start_path`) again with ``end`` set, and ``elapsed_s`` (the
+    killed process's age at the kill, :func:`process_age_s` of its pid, seconds) where that is later than the
+    record's. Returns False when the start has no record or already recorded an end."""
     path = Path(path)
     last = _last_record(path)
     if last is not None and last.get("end") is not None:
@@ -218,6 +255,8 @@ def append_end(path: str | os.PathLike[str], reason: str) -> bool:
     if last is None:
         return False
     last["end"] = reason
+    if elapsed_s is not None and elapsed_s > float(last.get("elapsed_s") or 0.0):
+        last["elapsed_s"] = round(float(elapsed_s), 6)
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(last, separators=(",", ":")) + "\n")
     return True
@@ -270,9 +309,10 @@ def parts(rec: Mapping[str, Any]) -> dict[str, float]:
     """The parts of one start's ``elapsed_s`` (:data:`PARTS`, seconds; they add up to it).
 
     ``kept_s``: step time whose progress the run kept; ``lost_s``: step time after the newest checkpoint sealed
-    in the start, recomputed by the next one; ``checkpoint_s``: blocked in checkpoint blocks; ``after_loop_s``:
-    from the loop's end to the last record (final seal, commit, tracking); ``other_s``: the rest (between
-    steps, and for a killed start the time between its last record and the kill is not in ``elapsed_s``).
+    in the start, recomputed by the next one, and for a start ended unannounced inside its loop the step it was
+    in (from its last whole step to its last record); ``checkpoint_s``: blocked in checkpoint blocks;
+    ``after_loop_s``: from the loop's end to the last record (final seal, commit, tracking); ``other_s``: the
+    rest (between steps). The second between a killed start's last record and the kill is in none of them.
     """
     elapsed, step_s = float(rec.get("elapsed_s") or 0.0), float(rec.get("step_s") or 0.0)
     startup = float(rec["startup_s"]) if rec.get("startup_s") is not None else elapsed
@@ -281,8 +321,14 @@ def parts(rec: Mapping[str, Any]) -> dict[str, float]:
     kept = min(_kept_step_s(rec), step_s)
     checkpoint = float(rec.get("checkpoint_s") or 0.0)
     after = max(0.0, elapsed - float(rec["loop_end_s"])) if rec.get("loop_end_s") is not None else 0.0
-    other = max(0.0, elapsed - startup - step_s - checkpoint - after)
-    return {"startup_s": startup, "kept_s": kept, "lost_s": step_s - kept, "checkpoint_s": checkpoint,
+    in_step = 0.0  # the step a kill or a hang interrupted: lost
+    # (a record from before step_end_s existed has no such key: nothing is known of the step it was in)
+    if (rec.get("end") in UNANNOUNCED and rec.get("loop_end_s") is None and rec.get("startup_s") is not None
+            and "step_end_s" in rec):
+        since = float(rec["step_end_s"]) if rec["step_end_s"] is not None else startup
+        in_step = max(0.0, elapsed - max(since, startup))
+    other = max(0.0, elapsed - startup - step_s - checkpoint - after - in_step)
+    return {"startup_s": startup, "kept_s": kept, "lost_s": step_s - kept + in_step, "checkpoint_s": checkpoint,
             "after_loop_s": after, "other_s": other}
 
 

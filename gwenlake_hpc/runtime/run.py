@@ -294,8 +294,9 @@ class Run:
                 t_end = time.perf_counter()
                 times.step_s += t_end - max(t_step, times.window_start)
                 if ledger is not None:
-                    ledger.step_done(step, t_end - t_input, times.checkpoint_total_s, checkpoints.last_step == step,
-                                     t_end)
+                    # the first step's batch is start-up's (the ledger's start-up ends at its arrival)
+                    ledger.step_done(step, t_end - (t_step if step == first else t_input), times.checkpoint_total_s,
+                                     checkpoints.last_step == step, t_end)
                 if auto is not None and not final and step != total:
                     auto.observe(step, t_end - t_input, at_eval)
                 if step == self.start_step + 1 and self.checkpoint_async:

@@ -336,60 +336,74 @@ def newest_step(root, pattern):
 
 
 @pytest.mark.slow
-def test_churn_survives_preemption_sigkill_and_time_limit(tmp_path):
-    """The issue's done-when: the churn job on the cluster, preempted, its step SIGKILLed, past its time limit."""
+def test_churn_survives_preemption_time_limit_and_sigkill(tmp_path):
+    """The issue's done-when: the churn job on the cluster, preempted, past its time limit, its step SIGKILLed,
+    then finished. One event per start, each made to happen (not waited for by chance): the preemption by a
+    `high` job, the time limit by lowering the requeued job's TimeLimit to 1 minute before its start (restored
+    once it is requeued again), the SIGKILL once the next start has trained 1,000 steps."""
+    from gwenlake_hpc.runtime.ledger import read_ledger
     from helpers.project import make_churn_project
 
     project = make_churn_project(tmp_path / "churn")
     pattern = "runs/crm.churn/*/checkpoints/step-*"
-    # A one-minute limit: SLURM sends the warning 30 to 60 s ahead, so a start trains 60 s at most, under 60k
-    # steps even at 1,000 steps/s (checkpoints no longer block the loop). 100k steps leave more than that after
-    # the SIGKILL at 8-20k, so the time limit is reached whatever the speed of the machine.
-    proc = project.run("+job=churn", "job.steps=100000", "job.eval_every=5000", "launcher=slurm",
-                       "launcher.timeout_min=1", "launcher.signal_delay_s=30", "launcher.max_retries=12",
+    # 60k steps: at ~1,000 steps/s the time-limited start (it trains 30 s at most: SLURM warns 30 to 60 s before
+    # its 1-minute limit) cannot reach the end, whatever the speed of the machine.
+    proc = project.run("+job=churn", "job.steps=60000", "job.eval_every=5000", "launcher=slurm",
+                       "launcher.timeout_min=10", "launcher.signal_delay_s=30", "launcher.max_retries=12",
                        "launcher.cpus_per_task=2", "+launcher.additional_parameters.nodelist=n1",
                        "launcher.progress_every_s=5", check=0, timeout=600)
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     run_dir = Path(re.search(r"run directory (\S+)", proc.stdout).group(1))
 
-    def restarts():  # releasing a requeued job from SLURM's start delay as we go
+    def requeued_after(before):  # held in SLURM's start delay, not released: the test changes it first
         f = job_fields(job)
-        if f.get("JobState") == "PENDING" and f.get("Reason") == "BeginTime":
-            release(int(job))
-        return int(f.get("Restarts", "0"))
+        return (int(f.get("Restarts", "0")) > before and f.get("JobState") == "PENDING"
+                and f.get("Reason") == "BeginTime")
 
-    def at_least(step):
-        return lambda: restarts() >= 0 and newest_step(project.root, pattern) >= step
+    def set_time_limit(minutes):
+        out = subprocess.run(["scontrol", "update", f"jobid={job}", f"TimeLimit={minutes}"], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
 
     def log_text():
         return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "slurm" / job).glob("*_log.*")))
 
-    # On a loaded machine a start can reach its time-limit warning before the preemption lands (the stop is then
-    # SIGUSR2 and the preemption finds the job already ending): preempt again, in a later start, until one is.
-    wait_until(at_least(4000), what="a checkpoint at step 4000")
-    for _ in range(4):
-        before = restarts()
-        assert sh("sbatch", "--parsable", "-o", "/dev/null", "-p", "high", "-w", "n1", "-c", "2", "--wrap", "sleep 2")
-        wait_until(lambda: restarts() > before, what="the preempted job requeued")
-        wait_until(at_least(newest_step(project.root, pattern) + 4000), what="progress after the requeue")
-        if "(SIGTERM)" in log_text():
-            break
+    # Start 1: preempted once a checkpoint exists.
+    wait_until(lambda: newest_step(project.root, pattern) >= 5000, what="a checkpoint at step 5000")
+    assert sh("sbatch", "--parsable", "-o", "/dev/null", "-p", "high", "-w", "n1", "-c", "2", "--wrap", "sleep 2")
+    wait_until(lambda: requeued_after(0), what="the preempted job requeued")
+    # Start 2: a 1-minute time limit.
+    set_time_limit(1)
+    release(int(job))
+    wait_until(lambda: requeued_after(1), timeout=300, what="the time-limited start requeued")
+    set_time_limit(10)
+    release(int(job))
+    # Start 3: SIGKILLed after 1,000 steps of its own (the ledger records its steps as it goes).
+    def trained_in_start_3():
+        recs = read_ledger(run_dir)
+        return (len(recs) == 3 and recs[2].get("first_step") is not None and recs[2].get("last_step") is not None
+                and recs[2]["last_step"] >= recs[2]["first_step"] + 1000)
+    wait_until(trained_in_start_3, what="start 3 training 1,000 steps")
     step_proc = f"^{re.escape(sys.executable)} -m gwenlake_hpc.launch.boot -u -m submitit.core._submit {re.escape(str(run_dir))}"
     pids = wait_until(lambda: sh("pgrep", "-f", step_proc).split(), what="the job step's process")
     subprocess.run(["kill", "-9", *pids], check=True)
+    # Start 4 finishes.
     assert finish(job, timeout=900) == "COMPLETED"
 
     text = log_text()
-    assert "SIGTERM" in text and "killed by signal" in text and re.search(r"time limit \(\d+ s left\): requeue", text)
+    assert "(SIGTERM)" in text and "killed by signal" in text and re.search(r"time limit \(\d+ s left\): requeue", text)
+    recs = read_ledger(run_dir)
+    assert [r["end"] for r in recs] == ["evicted", "time limit", "killed", "finished"], recs
+    assert recs[3]["first_step"] - 1 == recs[2]["sealed_step"]  # the killed start's steps after its seal were lost
     version = re.findall(r"model crm.churn version ([0-9a-f]{40})", text)[-1]
     metrics = json.loads(project.git("show", f"{version}:crm/churn/metrics.json"))
     assert metrics["test_auc"] > 0.8
     lineage = json.loads(project.git("show", f"{version}:crm/churn/lineage.json"))
-    assert {s["SLURM_JOB_ID"] for s in lineage["starts"]} == {job} and len(lineage["starts"]) >= 4
+    assert {s["SLURM_JOB_ID"] for s in lineage["starts"]} == {job} and len(lineage["starts"]) == 4
     client = MlflowClient(f"sqlite:///{project.root / 'runs' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("crm.churn").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
-    assert sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")) == list(range(1, 100001))
+    assert sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")) == list(range(1, 60001))
 
 
 def test_lost_node_requeues_and_resumes_from_newest_checkpoint(project):

@@ -84,3 +84,19 @@ def test_output_path_escape(project):
     # the final checkpoint is kept: a corrected rerun trains nothing and commits
     again = project.run("+job=t", "job.tracking=false", check=0)
     assert "resuming from step 60" in again.stdout + again.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ['{"run_key": "t", "starts": [{"host"', '{"starts": "oops"}'])
+def test_a_damaged_run_json_is_exit_2_and_the_run_is_left_as_it_was(project, damage):
+    """The adversarial pass's inputs: a truncated run.json and one whose starts are not a list were tracebacks
+    (JSONDecodeError, AttributeError)."""
+    proc = project.run("+job=t", "job.steps=5", "job.tracking=false", env={"GWL_TEST_SIGKILL_AT": "4"})
+    (run,) = (project.root / "runs" / "t.model").iterdir()
+    (run / "run.json").write_text(damage)
+    before = snapshot(project.root)
+    proc = project.run("+job=t", "job.steps=5", "job.tracking=false")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert f"{run / 'run.json'} is damaged" in out and "Traceback" not in out, out
+    assert snapshot(project.root) == before and (run / "run.json").read_text() == damage

@@ -105,3 +105,54 @@ def test_eval_every_auto_chooses_the_interval_from_the_run_s_steps_and_logs_it(p
     ck = run_dir_of(project) / "checkpoints"
     kept = sorted(int(p.name.split("-")[1]) for p in ck.glob("step-*"))
     assert kept == sorted(set(evals) | {150})[-3:], (kept, evals)
+
+
+def test_auto_with_one_slow_plain_step_or_an_infinite_mean_time_keeps_a_sane_interval(project):
+    """The adversarial pass's inputs: one slow plain step (step 2, 0.5 s) pinned the interval to 1 step for the
+    whole run; job.mtbf_h=1e308 with a free checkpoint made it NaN, and the run raised at step 3."""
+    env = {"GWL_TEST_SLOW_STEPS": "2:0.5"}
+    proc = project.run("+job=t", "job.steps=60", "job.seed=5151", "job.eval_every=auto", env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    client, (r,) = mlflow_runs(project)
+    steps = {m.step: m.value for m in client.get_metric_history(r.info.run_id, "checkpoint/interval_steps")}
+    assert min(steps.values()) >= 2, steps
+    # the second interval measured plain steps again: a checkpoint costs milliseconds against a day's mean time
+    # between interruptions, so the third evaluation is past the run's end
+    assert len(steps) == 2 and max(steps.values()) > 60, steps
+
+    proc = project.run("+job=t", "job.steps=20", "job.seed=4242", "job.eval_every=auto", "job.mtbf_h=1e308",
+                       env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_kill_during_start_up_or_after_two_kills_is_timed_and_named_killed(project):
+    """The adversarial pass's inputs: a SIGKILL 15 s into start-up (GWL_TEST_RAISE_BEFORE_LOOP=30) left a ledger
+    of 1.8 s; two SIGKILLed starts, not resumed, were `report`ed as killed and running."""
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "GWL_TEST_RAISE_BEFORE_LOOP": "30"}
+    job = subprocess.Popen([sys.executable, "-m", "gwenlake_hpc", "+job=t", "job.steps=50", "job.seed=1301"],
+                           cwd=project.root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and ledgers.process_age_s(job.pid) < 15.0:
+            time.sleep(0.2)
+        age = ledgers.process_age_s(job.pid)
+        job.kill()
+    finally:
+        job.wait(30)
+    assert age >= 15.0
+    (run,) = (project.root / "runs" / "t.model").iterdir()
+    (rec,) = ledgers.read_ledger(run)
+    assert rec["end"] == "killed" and rec["first_step"] is None
+    assert age - 1.5 <= rec["elapsed_s"] <= age + 0.5, (rec, age)  # at most a second (FLUSH_EVERY_S) missing
+    assert ledgers.parts(rec)["startup_s"] == rec["elapsed_s"]
+
+    for kill_at in (10, 20):  # another run (seed 703): two starts SIGKILLed, none resumed
+        proc = project.run("+job=t", "job.steps=40", "job.seed=703", env={"GWL_TEST_SIGKILL_AT": str(kill_at)})
+        assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    killed = next(d for d in (project.root / "runs" / "t.model").iterdir() if d != run)
+    project.run("report", str(killed), check=0)
+    report = json.loads((killed / "report.json").read_text())
+    assert [s["end"] for s in report["starts"]] == ["killed", "killed"] and report["goodput"]["unannounced"] == 2

@@ -149,6 +149,9 @@ def trained(tmp_path_factory):
     (["+job=t", "job.eval_every=auto", "job.mtbf_h=-3"], "job.mtbf_h=-3: must be a number > 0"),
     (["+job=t", "job.eval_every=auto", "job.mtbf_h=often"], "job.mtbf_h='often': must be a number > 0"),
     (["+job=t", "job.eval_every=auto", "job.max_eval_interval_s=0"], "job.max_eval_interval_s=0"),
+    # the adversarial pass's input: null passed the check, then the job raised a TypeError with a run written
+    (["+job=t", "job.steps=8", "job.seed=15043", "job.eval_every=auto", "job.max_eval_interval_s=null"],
+     "job.max_eval_interval_s=None: must be a number > 0 (seconds"),
     (["+job=t", "job.eval_every=sometimes"], "job.eval_every='sometimes': must be a whole number >= 1 (or auto"),
     (["+job=tt"], "job=tt: there is no"),  # a missing file: the files there, the closest one
     (["+job=t", "launcher=slrum"], "launcher=slrum: there is no"),

@@ -68,7 +68,7 @@ def test_ledger_kept_and_lost_from_the_next_starts_resume_point(tmp_path):
     run = tmp_path / "run"
     killed = {"start": 0, "elapsed_s": 100.0, "startup_s": 10.0, "first_step": 1, "last_step": 50,
               "step_s": 80.0, "checkpoint_s": 5.0, "sealed_step": 30, "kept_step_s": 48.0,
-              "marks": {"30": 48.0, "40": 64.0}, "loop_end_s": None, "end": None}
+              "marks": {"30": 48.0, "40": 64.0}, "step_end_s": 97.0, "loop_end_s": None, "end": None}
     # its newest record said 30 sealed; step 40's seal landed after it: the next start resumed from 40
     _write(ledgers.start_path(run, 0), {**killed, "last_step": 45}, killed)
     finished = {"start": 1, "elapsed_s": 50.0, "startup_s": 5.0, "first_step": 41, "last_step": 60,
@@ -79,15 +79,19 @@ def test_ledger_kept_and_lost_from_the_next_starts_resume_point(tmp_path):
     assert [r["end"] for r in recs] == ["killed", "finished"]
     assert recs[0]["next_resumed_at"] == 40
     p0 = ledgers.parts(recs[0])
-    assert p0 == {"startup_s": 10.0, "kept_s": 64.0, "lost_s": 16.0, "checkpoint_s": 5.0, "after_loop_s": 0.0,
-                  "other_s": 5.0}
+    # lost: the 16 s of steps 41..50 and the 3 s of step 51, in progress at the kill (its last whole step ended
+    # at 97 s, its last record at 100 s)
+    assert p0 == {"startup_s": 10.0, "kept_s": 64.0, "lost_s": 19.0, "checkpoint_s": 5.0, "after_loop_s": 0.0,
+                  "other_s": 2.0}
+    old = {k: v for k, v in recs[0].items() if k != "step_end_s"}  # a record from before step_end_s existed
+    assert ledgers.parts(old)["lost_s"] == 16.0 and ledgers.parts(old)["other_s"] == 5.0
     assert ledgers.lost_steps(recs[0]) == 10
     p1 = ledgers.parts(recs[1])
     assert p1["kept_s"] == 30.0 and p1["after_loop_s"] == 5.0 and sum(p1.values()) == pytest.approx(50.0)
     total = ledgers.summarize(recs)
     assert total["goodput"] == pytest.approx((64.0 + 30.0) / 150.0)
     assert total["largest_loss"] == "lost_s" and total["unannounced"] == 1 and total["lost_steps"] == 10
-    assert ledgers.describe(total) == "goodput 0.63 of 150 s (largest loss: lost 16 s)"
+    assert ledgers.describe(total) == "goodput 0.63 of 150 s (largest loss: lost 19 s)"
 
 
 def test_ledger_start_without_a_loop_is_all_startup_and_the_live_one_is_running(tmp_path):
@@ -116,6 +120,65 @@ def test_start_ledger_records_as_it_goes_and_a_hang_is_appended(tmp_path):
     assert (last["start"], last["host"], last["first_step"], last["last_step"]) == (3, "n1", 11, 13)
     assert last["sealed_step"] == 12 and last["kept_step_s"] == pytest.approx(1.0)  # 0.5 + 0.7 - 0.2
     assert last["step_s"] == pytest.approx(1.5) and last["checkpoint_s"] == pytest.approx(0.2)
-    assert ledgers.append_end(path, "hang") is True
-    assert ledgers.read_ledger(tmp_path)[0]["end"] == "hang"
+    led.close()  # the process is gone: the watchdog killed it
+    assert ledgers.append_end(path, "hang", elapsed_s=last["elapsed_s"] + 300.0) is True
+    hung = ledgers.read_ledger(tmp_path)[0]
+    assert hung["end"] == "hang" and hung["elapsed_s"] == pytest.approx(last["elapsed_s"] + 300.0)
+    # the 300 s from the last whole step to the kill are the hung step's: lost, not "other"
+    assert ledgers.parts(hung)["lost_s"] == pytest.approx(0.5 + hung["elapsed_s"] - last["step_end_s"])
     assert ledgers.append_end(path, "hang") is False  # once
+
+
+def test_start_ledger_records_the_time_while_no_step_ends(tmp_path):
+    """Start-up, a long step or a hang write no step's record: the ledger's thread records the time anyway, so a
+    SIGKILL there loses at most ``every_s`` of it."""
+    import time
+
+    path = ledgers.start_path(tmp_path, 0)
+    led = ledgers.StartLedger(path, 0, every_s=0.2)
+    try:
+        first = json.loads(path.read_text().splitlines()[-1])["elapsed_s"]
+        time.sleep(1.5)
+        last = json.loads(path.read_text().splitlines()[-1])
+        assert last["elapsed_s"] - first >= 1.0 and last["first_step"] is None and last["end"] is None
+    finally:
+        led.close()
+    lines = len(path.read_text().splitlines())
+    time.sleep(0.5)
+    assert len(path.read_text().splitlines()) == lines  # closed: the thread writes no more
+
+
+def test_auto_interval_is_never_nan_with_a_free_checkpoint_and_an_infinite_mean_time():
+    """The adversarial pass's input: job.mtbf_h=1e308 (M = inf once in seconds) and a checkpoint that measured
+    0 s: 0 * inf was NaN, and int(NaN) raised at step 3."""
+    for cost in (0.0, 0.5):
+        auto = AutoInterval(0, lambda: 1e308 * 3600.0, 1800.0, lambda: None)
+        _fed(auto, 0, 0.1, 0.1 + cost)
+        assert auto.interval_s == (0.0 if cost == 0.0 else 1800.0) and auto.interval_steps == (2 if cost == 0.0
+                                                                                                else 18000)
+
+
+def test_one_slow_plain_step_does_not_pin_auto_to_an_evaluation_at_every_step():
+    """The adversarial pass's input (GWL_TEST_SLOW_STEPS=2:0.5): the one plain step measured before the first
+    evaluation took 0.55 s, so the evaluation (0.055 s) seemed to cost nothing; the interval of 1 step then
+    measured no plain step again, and every later step was an evaluation."""
+    auto = AutoInterval(0, lambda: 86400.0, 1800.0, lambda: None)
+    auto.observe(1, 0.05, False)  # warm-up, not measured
+    auto.observe(2, 0.55, False)
+    auto.observe(3, 0.055, True)
+    assert auto.interval_steps == 2 and auto.next_step == 5  # one plain step to measure again
+    auto.observe(4, 0.05, False)
+    auto.observe(5, 0.055, True)
+    # C = 5 ms now, M = 1 day: sqrt(2 * 0.005 * 86400) = 29.4 s of 0.05 s steps
+    assert auto.cost_s == pytest.approx(0.005) and auto.interval_steps == 588
+
+
+def test_a_run_json_that_lost_starts_never_makes_a_start_reuse_a_ledger_file(tmp_path):
+    """The adversarial pass's input: run.json's last start removed by hand after two killed starts (files 0 and
+    1): the next start, place 1 in run.json, writes file 2, and the killed start 1 keeps its own record."""
+    assert ledgers.free_index(tmp_path, 0) == 0  # no ledger yet
+    for i in (0, 1):
+        ledgers.start_path(tmp_path, i).parent.mkdir(parents=True, exist_ok=True)
+        ledgers.start_path(tmp_path, i).write_text("{}\n")
+    assert ledgers.free_index(tmp_path, 1) == 2 and ledgers.free_index(tmp_path, 2) == 2
+    assert ledgers.free_index(tmp_path, 5) == 5
