@@ -55,6 +55,15 @@ def test_a_step_blocked_in_c_with_the_gil_is_caught_its_stacks_name_the_line_and
     verdict = json.loads((folder / "verdict-rank0.json").read_text())
     assert verdict["step"] == 25 and verdict["limit_s"] == 8.0 and verdict["silent_s"] > 8.0, verdict
     assert verdict["user_code_at"].endswith(f"trainer.py:{line} in _hang"), verdict
+    # The goodput ledger: the hung step's time up to the kill is in the start's record, lost (the GIL held, the
+    # ledger's own thread could not write: the watchdog timed it by the process's age)
+    from gwenlake_hpc.runtime import ledger as ledgers
+
+    (rec,) = ledgers.read_ledger(run_dir)
+    assert rec["end"] == "hang" and rec["first_step"] == 1, json.dumps(rec)
+    # its last record may be up to a second (FLUSH_EVERY_S) before the hang: steps 1..24 take less than that
+    assert rec["elapsed_s"] - rec["startup_s"] >= verdict["silent_s"], (rec, verdict)
+    assert ledgers.parts(rec)["lost_s"] >= verdict["silent_s"] - 1.0, json.dumps(rec)
     # What the killed rank could not remove, its watchdog did: the heartbeat file, the stacks' scratch file.
     assert not list((run_dir / "hangs").glob(".stacks-*")), sorted(p.name for p in (run_dir / "hangs").iterdir())
     assert not list(Path("/dev/shm").glob(f"gwenlake-*-{verdict['pid']}-rank0.heartbeat"))
