@@ -250,8 +250,8 @@ def report(run_dir: str | Path, out: str | Path | None = None, uri: str | None =
     from ..job.execute import RunLock
 
     # a start without an end is running only while its process may be (else it was killed)
-    live = not (read_json(run_dir / "run.json", default={}) or {}).get("completed") and RunLock.may_be_held(run_dir)
-    recs = ledgers.read_ledger(run_dir, live=live)
+    completed = bool((read_json(run_dir / "run.json", default={}) or {}).get("completed"))
+    recs = ledgers.read_ledger(run_dir, live=not completed and RunLock.may_be_held(run_dir), completed=completed)
     fig = draw(values, marks, f"{run_dir.parent.name} / {run_dir.name}: {len(marks)} restart(s)", smoothing, recs)
     out = Path(out) if out else run_dir / "report.png"
     fig.savefig(out, dpi=100)

@@ -180,8 +180,9 @@ def goodput_facts(run_dir: Path, state: str) -> str:
     from ..runtime import ledger as ledgers
 
     try:
-        recs = ledgers.read_ledger(run_dir, live=state not in FINAL_STATES)
-    except OSError:
+        completed = bool((read_json(run_dir / "run.json", default={}) or {}).get("completed"))
+        recs = ledgers.read_ledger(run_dir, live=state not in FINAL_STATES, completed=completed)
+    except (OSError, ValueError, AttributeError):  # a run.json damaged by hand: no goodput, not a traceback
         return ""
     return ledgers.describe(ledgers.summarize(recs)) if recs else ""
 

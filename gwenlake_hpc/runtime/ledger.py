@@ -278,13 +278,15 @@ def _last_record(path: Path) -> dict[str, Any] | None:
 
 
 def read_ledger(run_dir: str | os.PathLike[str], live: bool = False,
-                lost_nodes: Iterable[int] = ()) -> list[dict[str, Any]]:
+                lost_nodes: Iterable[int] = (), completed: bool = False) -> list[dict[str, Any]]:
     """Every start's last record, oldest first, each with ``end`` set.
 
     Args:
         run_dir: the run directory.
         live: the run's job is still running: its newest start without an end is :data:`RUNNING`.
         lost_nodes: indexes of starts SLURM says ended with their node (NODE_FAIL).
+        completed: the run committed its version (``run.json``'s ``completed``): its newest start finished, even
+            when it was killed after the commit, before its end record.
 
     Returns:
         The records (see :class:`StartLedger`); a start that recorded no end is :data:`KILLED`,
@@ -297,7 +299,8 @@ def read_ledger(run_dir: str | os.PathLike[str], live: bool = False,
     for i in range(len(recs) - 1, -1, -1):
         rec = recs[i]
         if rec.get("end") is None:
-            rec["end"] = (LOST_NODE if rec.get("start") in lost else
+            rec["end"] = (FINISHED if completed and i == len(recs) - 1 else
+                          LOST_NODE if rec.get("start") in lost else
                           RUNNING if live and i == len(recs) - 1 else KILLED)
         rec["next_resumed_at"] = resumed_at
         if rec.get("first_step") is not None:

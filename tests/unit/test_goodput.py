@@ -182,3 +182,13 @@ def test_a_run_json_that_lost_starts_never_makes_a_start_reuse_a_ledger_file(tmp
         ledgers.start_path(tmp_path, i).write_text("{}\n")
     assert ledgers.free_index(tmp_path, 1) == 2 and ledgers.free_index(tmp_path, 2) == 2
     assert ledgers.free_index(tmp_path, 5) == 5
+
+
+def test_a_start_killed_after_its_commit_finished(tmp_path):
+    """The adversarial pass's case: killed after the version's commit, before its end record: the run's
+    run.json is completed, so its newest start finished (not killed, not an unannounced interruption)."""
+    _write(ledgers.start_path(tmp_path, 0), {"start": 0, "elapsed_s": 9.0, "startup_s": 2.0, "first_step": 1,
+                                             "last_step": 5, "step_s": 6.0, "sealed_step": 5, "end": None})
+    assert ledgers.read_ledger(tmp_path)[0]["end"] == "killed"
+    (rec,) = ledgers.read_ledger(tmp_path, completed=True)
+    assert rec["end"] == "finished" and ledgers.summarize([rec])["unannounced"] == 0
