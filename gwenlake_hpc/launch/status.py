@@ -173,15 +173,32 @@ def live_facts(run_dir: Path, now: float | None = None) -> str:
     return "; ".join(parts)
 
 
-def goodput_facts(run_dir: Path, state: str) -> str:
+def lost_node_starts(job_id: str, run_dir: Path, run=_run) -> set[int]:
+    """The ledger's indexes of the job's starts that SLURM ended with their node (``NODE_FAIL``): ``sacct -D``
+    lists one line per run of the job, the k-th with restart count k, matched to the starts that recorded
+    that job id and restart count (``slurm_job_id``, ``slurm_restart_count``). Empty when sacct says nothing."""
+    from ..runtime import ledger as ledgers
+
+    out = run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State"])
+    runs = [line.split()[0] for line in out.splitlines() if line.strip()]
+    failed = {k for k, st in enumerate(runs) if st == "NODE_FAIL"}
+    if not failed:
+        return set()
+    return {int(r["start"]) for r in ledgers.read_ledger(run_dir)
+            if str(r.get("slurm_job_id")) == str(job_id) and int(r.get("slurm_restart_count") or 0) in failed}
+
+
+def goodput_facts(run_dir: Path, state: str, job_id: str | None = None) -> str:
     """The run's goodput as its ledger adds it up (``goodput 0.82 of 1.40 h (largest loss: lost 0.10 h),
     queued 12 s``: :func:`gwenlake_hpc.runtime.ledger.describe`); "" for a run without a ledger. ``state``: the
-    job's SLURM state (a job not in a final state has its newest start still running)."""
+    job's SLURM state (a job not in a final state has its newest start still running); ``job_id``: the job on
+    this host's SLURM, whose runs that ended ``NODE_FAIL`` are the ledger's lost nodes (None: not asked)."""
     from ..runtime import ledger as ledgers
 
     try:
         completed = bool((read_json(run_dir / "run.json", default={}) or {}).get("completed"))
-        recs = ledgers.read_ledger(run_dir, live=state not in FINAL_STATES, completed=completed)
+        lost = lost_node_starts(job_id, run_dir) if job_id else set()
+        recs = ledgers.read_ledger(run_dir, live=state not in FINAL_STATES, completed=completed, lost_nodes=lost)
     except (OSError, ValueError, AttributeError):  # a run.json damaged by hand: no goodput, not a traceback
         return ""
     return ledgers.describe(ledgers.summarize(recs)) if recs else ""

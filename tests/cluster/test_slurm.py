@@ -427,6 +427,15 @@ def test_lost_node_requeues_and_resumes_from_newest_checkpoint(project):
     text = log_text(project, job)
     assert f"resuming from step {newest}" in text
     one_point_per_step(project, 300)
+    # the goodput ledger: the first start wrote no end (its processes were SIGKILLed); sacct's NODE_FAIL for
+    # that run of the job names it a lost node, not a kill
+    from gwenlake_hpc.launch.status import lost_node_starts
+    from gwenlake_hpc.runtime.ledger import read_ledger
+
+    assert [r["end"] for r in read_ledger(run_dir(project))] == ["killed", "finished"]
+    lost = lost_node_starts(job, run_dir(project))
+    assert lost == {0}, sh("sacct", "-n", "-P", "-X", "-D", "-j", job, "-o", "State")
+    assert [r["end"] for r in read_ledger(run_dir(project), lost_nodes=lost)] == ["lost node", "finished"]
 
 
 HANDLE_SCRIPT = r'''

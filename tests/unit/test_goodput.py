@@ -192,3 +192,19 @@ def test_a_start_killed_after_its_commit_finished(tmp_path):
     assert ledgers.read_ledger(tmp_path)[0]["end"] == "killed"
     (rec,) = ledgers.read_ledger(tmp_path, completed=True)
     assert rec["end"] == "finished" and ledgers.summarize([rec])["unannounced"] == 0
+
+
+def test_a_run_of_the_job_that_sacct_says_ended_node_fail_is_a_lost_node(tmp_path):
+    """``sacct -D``'s k-th run of the job is the start that recorded restart count k (a faked sacct; the real
+    one in tests/cluster/test_slurm.py's lost-node test)."""
+    from gwenlake_hpc.launch.status import lost_node_starts
+
+    for i, restart in enumerate((None, "1", "2")):
+        _write(ledgers.start_path(tmp_path, i), {"start": i, "slurm_job_id": "41", "slurm_restart_count": restart,
+                                                 "elapsed_s": 5.0, "startup_s": 1.0, "first_step": 1,
+                                                 "last_step": 3, "step_s": 3.0, "end": None if i < 2 else "finished"})
+    asked = []
+    lost = lost_node_starts("41", tmp_path, run=lambda cmd: asked.append(cmd) or "COMPLETED\nNODE_FAIL\nCOMPLETED\n")
+    assert asked == [["sacct", "-n", "-P", "-X", "-D", "-j", "41", "-o", "State"]] and lost == {1}
+    assert [r["end"] for r in ledgers.read_ledger(tmp_path, lost_nodes=lost)] == ["killed", "lost node", "finished"]
+    assert lost_node_starts("41", tmp_path, run=lambda cmd: "") == set()
