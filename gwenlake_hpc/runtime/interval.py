@@ -12,7 +12,8 @@ Responsibilities of :class:`AutoInterval`, one per Run with ``eval_every=auto``:
 - at each evaluation choose T = sqrt(2 C M), never shorter than the previous checkpoint's background write (a
   checkpoint waits for the one in flight) and never longer than ``job.max_eval_interval_s``, turned into steps
   by the plain step time and never under :data:`MIN_INTERVAL_STEPS` (so that every interval measures a plain
-  step again: one slow plain step cannot pin the run to an evaluation at every step); log it (``checkpoint/interval_steps``, ``checkpoint/interval_s``, ``checkpoint/cost_s``);
+  step again: one slow plain step cannot pin the run to an evaluation at every step); log it
+  (``checkpoint/interval_steps``, ``checkpoint/interval_s``, ``checkpoint/cost_s``);
 - in a multi-rank run, take rank 0's choice on every rank (a broadcast at each evaluation): every rank must
   evaluate at the same steps.
 
