@@ -341,7 +341,7 @@ def test_churn_survives_preemption_time_limit_and_sigkill(tmp_path):
     then finished. One event per start, each made to happen (not waited for by chance): the preemption by a
     `high` job, the time limit by lowering the requeued job's TimeLimit to 1 minute before its start (restored
     once it is requeued again), the SIGKILL once the next start has trained 1,000 steps."""
-    from gwenlake_hpc.runtime.ledger import read_ledger
+    from gwenlake_hpc.runtime.ledger import lost_steps, read_ledger
     from helpers.project import make_churn_project
 
     project = make_churn_project(tmp_path / "churn")
@@ -394,7 +394,13 @@ def test_churn_survives_preemption_time_limit_and_sigkill(tmp_path):
     assert "(SIGTERM)" in text and "killed by signal" in text and re.search(r"time limit \(\d+ s left\): requeue", text)
     recs = read_ledger(run_dir)
     assert [r["end"] for r in recs] == ["evicted", "time limit", "killed", "finished"], recs
-    assert recs[3]["first_step"] - 1 == recs[2]["sealed_step"]  # the killed start's steps after its seal were lost
+    # the time-limited start sealed its last step; the last start resumed from the killed start's newest sealed
+    # checkpoint (most often none of its own: it was killed 1,000 steps in), and the killed start's steps after
+    # it were lost
+    assert recs[1]["sealed_step"] == recs[1]["last_step"]
+    resumed = recs[3]["first_step"] - 1
+    assert resumed == (recs[2]["sealed_step"] or recs[1]["last_step"]), recs
+    assert lost_steps(recs[2]) == recs[2]["last_step"] - resumed > 0
     version = re.findall(r"model crm.churn version ([0-9a-f]{40})", text)[-1]
     metrics = json.loads(project.git("show", f"{version}:crm/churn/metrics.json"))
     assert metrics["test_auc"] > 0.8
