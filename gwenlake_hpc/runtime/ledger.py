@@ -135,6 +135,10 @@ class StartLedger:
         """A record every ``every_s`` while no step writes one (start-up, a long step, a hang, the end)."""
         while not self._closed.wait(max(self._every, 0.1)):  # every_s=0 (a record at every step): not a spin
             if time.perf_counter() >= self._next:
+                try:  # a checkpoint sealed by the background writer during a long step or a hang is kept
+                    self.sealed(self.sealed_of())
+                except Exception:  # noqa: BLE001 (the Run's view of its checkpoints; the next step retries)
+                    pass
                 self.flush()
 
     def now(self) -> float:

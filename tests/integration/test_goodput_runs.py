@@ -156,3 +156,33 @@ def test_a_kill_during_start_up_or_after_two_kills_is_timed_and_named_killed(pro
     project.run("report", str(killed), check=0)
     report = json.loads((killed / "report.json").read_text())
     assert [s["end"] for s in report["starts"]] == ["killed", "killed"] and report["goodput"]["unannounced"] == 2
+
+
+def test_a_checkpoint_sealed_during_a_long_step_counts_as_kept_before_any_resume(project):
+    """The adversarial pass's input (GWL_TEST_SLOW_STEPS=21:10, job.steps=40, SIGKILL during step 21): step 20's
+    checkpoint was sealed in the background while step 21 ran, yet the ledger still said 10, and `report`
+    counted 10 steps lost until the run was resumed."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GWL_TEST_SLOW_STEPS": "21:10"}
+    job = subprocess.Popen([sys.executable, "-m", "gwenlake_hpc", "+job=t", "job.steps=40", "job.seed=81"],
+                           cwd=project.root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        run = None
+        while time.monotonic() < deadline:
+            runs = list((project.root / "runs" / "t.model").glob("*/checkpoints/step-000000020/MANIFEST.json"))
+            if runs:
+                run = runs[0].parents[2]
+                break
+            time.sleep(0.2)
+        assert run is not None and job.poll() is None
+        time.sleep(2 * ledgers.FLUSH_EVERY_S + 0.5)  # step 21 lasts 10 s more: the thread's records come
+        job.kill()
+    finally:
+        job.wait(30)
+    (rec,) = ledgers.read_ledger(run)
+    assert rec["end"] == "killed" and rec["last_step"] == 20 and rec["sealed_step"] == 20, rec
+    assert ledgers.lost_steps(rec) == 0

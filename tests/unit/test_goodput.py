@@ -148,6 +148,30 @@ def test_start_ledger_records_the_time_while_no_step_ends(tmp_path):
     assert len(path.read_text().splitlines()) == lines  # closed: the thread writes no more
 
 
+def test_a_checkpoint_sealed_during_a_long_step_is_in_the_threads_records(tmp_path):
+    """The adversarial pass's case (GWL_TEST_SLOW_STEPS=21:10, SIGKILL at 9 s): step 20's checkpoint was sealed
+    by the background writer while step 21 ran; the records of that step still said 10, so `report` counted
+    steps 11..20 lost until the run resumed."""
+    import time
+
+    path = ledgers.start_path(tmp_path, 0)
+    led = ledgers.StartLedger(path, 0, every_s=0.2)
+    try:
+        t = led.now() + led._origin
+        led.first_step(1, t)
+        led.step_done(10, 0.1, 0.0, True, t + 0.1)
+        led.sealed_of = lambda: 10
+        led.step_done(20, 0.1, 0.0, True, t + 0.2)  # its checkpoint is written in the background
+        led.sealed_of = lambda: 20  # sealed while step 21 runs: no step ends to record it
+        time.sleep(1.0)
+        last = json.loads(path.read_text().splitlines()[-1])
+    finally:
+        led.close()
+    assert last["sealed_step"] == 20 and last["last_step"] == 20
+    (rec,) = ledgers.read_ledger(tmp_path)
+    assert ledgers.lost_steps(rec) == 0
+
+
 def test_auto_interval_is_never_nan_with_a_free_checkpoint_and_an_infinite_mean_time():
     """The adversarial pass's input: job.mtbf_h=1e308 (M = inf once in seconds) and a checkpoint that measured
     0 s: 0 * inf was NaN, and int(NaN) raised at step 3."""
