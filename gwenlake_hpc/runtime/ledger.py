@@ -126,6 +126,7 @@ class StartLedger:
         self._next = 0.0
         self._cost = 1.0  # seconds a record takes to write, measured (a start's first records: assume slow)
         self._lock = threading.RLock()  # the loop's records and the ticking thread's
+        self._step_end: float | None = None  # perf_counter() at the end of the last whole step
         self._closed = threading.Event()
         self.flush()
         self._ticker = threading.Thread(target=self._tick, name="gwenlake-ledger", daemon=True)
@@ -162,7 +163,7 @@ class StartLedger:
             self.step_s += whole_s
             self.checkpoint_s = checkpoint_total_s
             self.rec["last_step"] = step
-            self.rec["step_end_s"] = round(now - self._origin, 6)
+            self._step_end = now  # rounded into the record at its write, not at every step
             if checkpointed:
                 self._pending[step] = self.step_s - checkpoint_total_s
         # every step long enough that its record costs under 1% of it (a kill then loses nothing), else once
@@ -214,6 +215,7 @@ class StartLedger:
             return
         rec = self.rec
         rec["elapsed_s"] = round(now - self._origin, 6)
+        rec["step_end_s"] = None if self._step_end is None else round(self._step_end - self._origin, 6)
         rec["step_s"] = round(max(self.step_s - self.checkpoint_s, 0.0), 6)
         rec["checkpoint_s"] = round(self.checkpoint_s, 6)
         # step time up to each checkpoint of this start not older than the sealed one: the next start's resume
