@@ -241,7 +241,7 @@ class Run:
     def _pass_began(self, rng: dict[str, Any]) -> None:
         self._epoch_rng = rng
 
-    def steps(self, batches: Iterable[Any] | None = None) -> Iterator[tuple[int, Any]]:
+    def steps(self, batches: Iterable[Any] | None = None, *, total: int | None = None) -> Iterator[tuple[int, Any]]:
         """Iterate the training: yields ``(step, batch)`` for steps ``start_step + 1 .. total``.
 
         Args:
@@ -250,6 +250,8 @@ class Run:
                 ones), or None (the batch is None, for trainings that make their own data). Before each pass
                 over a re-iterable, the resumed one included, :func:`~.feed.set_epoch` gives it the epoch number
                 (an ``IterableBatches``, a ``DataLoader``'s dataset or ``DistributedSampler``).
+            total: the number of steps when a framework's own loop fixes it (``gwenlake_hpc.integrations``:
+                the Trainer's ``max_steps``); it replaces ``job.steps``/``job.epochs``. None: from those.
 
         Before each step ``at_eval`` is fixed: true at multiples of ``eval_every``, at the last step, and when
         a stop request arrived before the step was yielded (that step is then the last, with ``stopping``).
@@ -260,7 +262,7 @@ class Run:
             ConfigError: the length is unknown (no steps/epochs and no ``len``), or the batches are empty.
             RuntimeError: iterated a second time.
         """
-        stream, total = self._begin(batches)
+        stream, total = self._begin(batches, total)
         if stream is None:
             return
         if self._on_loop_start is not None:
@@ -321,7 +323,7 @@ class Run:
         finally:
             self._end_loop()
 
-    def _begin(self, batches: Any) -> tuple[Iterator[tuple[int, Any]] | None, int]:
+    def _begin(self, batches: Any, fixed: int | None = None) -> tuple[Iterator[tuple[int, Any]] | None, int]:
         """Fix the run's length, check a resume against it, restore the RNG states where the batch stream does
         not, and say where the training starts. Returns the batch stream from the resume point (None when
         there is nothing left to train) and the total steps.
@@ -333,6 +335,9 @@ class Run:
         if self._iterated:
             raise RuntimeError("run.steps() can be iterated once per training")
         self._iterated = True
+        if fixed is not None:
+            rules.whole_number("run.steps(total=)", fixed, 0)
+            self._steps_setting, self.epochs = int(fixed), None
         total, per_epoch = resolve_total(batches, self._steps_setting, self.epochs, self.world_size)
         self.total_steps = total
         shield_workers(batches)

@@ -25,6 +25,7 @@ LAYERS = [
     ("release", ("gwenlake_hpc.release",)),
     ("launch", ("gwenlake_hpc.launch",)),
     ("job", ("gwenlake_hpc.job",)),
+    ("integrations", ("gwenlake_hpc.integrations",)),
     ("authoring", ("gwenlake_hpc.authoring",)),
     ("runtime", ("gwenlake_hpc.runtime",)),
     ("stores", ("gwenlake_hpc.stores",)),
@@ -266,3 +267,16 @@ def test_logger_names_are_the_names_users_filter_on_not_module_paths():
     assert {"gwenlake_hpc.data.write", "gwenlake_hpc.data.tables", "gwenlake_hpc.data.dataset"} <= set(names)
     moved = {n: str(p) for n, p in names.items() if n.split(".")[1:2] and n.split(".")[1] in new_folders}
     assert moved == {}, moved
+
+
+def test_importing_the_package_loads_no_framework():
+    """The integrations are opt-in: `import gwenlake_hpc` must not pull transformers or lightning."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, gwenlake_hpc, gwenlake_hpc.integrations;"
+        "print(sorted(m for m in ('transformers', 'lightning', 'pytorch_lightning') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,230 @@
+"""The Hugging Face ``Trainer`` inside an ordinary ``@train`` function: eviction, resume, one MLflow run.
+
+    from gwenlake_hpc.integrations.transformers import run_trainer, save_model
+
+    @train(output=Output("lm.tiny"), steps=200, eval_every=50)
+    def fit(output, run, config):
+        trainer = Trainer(model=model, args=TrainingArguments(logging_steps=1, ...), train_dataset=...)
+        run_trainer(trainer, run, keep=2)       # resumes, checkpoints into the run's store, stops when evicted
+        if run.evicted:
+            return None
+        save_model(trainer, output)             # the version: committed and registered by the job
+
+Responsibilities (:func:`run_trainer` and its :class:`GwenlakeCallback`):
+
+- the length: ``job.steps`` (or ``job.epochs``) is the Trainer's ``max_steps`` (``num_train_epochs``); the Run's
+  step is the Trainer's ``global_step``, checked at every step;
+- checkpoints: at the Run's ``at_eval`` steps (``job.eval_every``, the last step, the step after a stop request)
+  and at the Trainer's own ``save_steps``, the Trainer's checkpoint folder (weights, optimizer, scheduler, RNG,
+  ``trainer_state.json``) is written into a scratch folder of the run directory and moved into a
+  ``run.checkpoint()`` block, so it is sealed, verified while loading, kept by ``keep=`` and safe against a kill
+  at any moment; ``resume_from_checkpoint`` is the Run's ``resume_path`` (the newest sealed one; a damaged one
+  is set aside for the one before by the Run);
+- eviction: a stop request ends the training at the next optimizer-step boundary, after that step's
+  checkpoint (``control.should_save``, then ``control.should_training_stop``); the job exits 75;
+- logging: what the Trainer logs (``loss``, ``grad_norm``, ``learning_rate``, ``epoch``; each
+  ``logging_steps``) goes to ``run.log`` at its ``global_step``: the job's MLflow run, one point per step
+  across restarts. HF's ``MLflowCallback`` (``report_to="mlflow"``) is replaced by this, since it would log the
+  arguments again at each restart, into a run of its own where ``MLFLOW_RUN_ID`` is unset.
+
+Settings refused with exit 2 before training (:class:`~gwenlake_hpc.base.errors.ConfigError`, naming the setting
+and the fix): ``report_to`` other than ``"mlflow"``/``"none"`` (a second tracker would start a run of its own
+at each requeue), ``load_best_model_at_end`` and ``save_strategy="best"`` (they read checkpoint folders that
+the store has moved), ``save_only_model`` (a resume needs the optimizer and RNG), ``push_to_hub`` (a version is
+its git commit), and ``save_total_limit`` different from ``keep``. ``output_dir`` is replaced by
+``<run dir>/hf_trainer`` (a scratch folder: the checkpoints' home is the run's store).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ..base.errors import ConfigError
+from .loop import DrivenLoop
+
+log = logging.getLogger("gwenlake_hpc.integrations")
+
+__all__ = ["GwenlakeCallback", "run_trainer", "save_model", "SCRATCH"]
+
+#: The Trainer's ``output_dir`` under the run directory: where a checkpoint is written before it is moved.
+SCRATCH = "hf_trainer"
+#: Keys of the Trainer's last log (a summary of this start, not of a step): not sent to ``run.log``.
+_SUMMARY_KEYS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
+
+
+class GwenlakeCallback(TrainerCallback):
+    """Drives the Run's loop from the Trainer's callbacks (see the module's docstring).
+
+    Args:
+        run: the job's Run.
+        keep: complete checkpoints kept (``run.checkpoint(keep=)``); None keeps all.
+    """
+
+    def __init__(self, run: Any, keep: int | None = None):
+        self.run, self.keep = run, keep
+        self.loop: DrivenLoop | None = None
+        self._saved_step = -1
+        self._save_requested = False
+
+    # -- the step boundary -------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step != self.run.start_step:
+            raise RuntimeError(f"the Trainer starts at step {state.global_step} and the Run at {self.run.start_step}: "
+                               "pass resume_from_checkpoint=run.resume_path (run_trainer does)")
+        self.loop = DrivenLoop(self.run, state.max_steps, "the Hugging Face Trainer")
+        if not self.loop.advance():
+            control.should_training_stop = True
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.loop.check_step(state.global_step)
+        if self.run.at_eval or control.should_save or (_epoch_ends(state) and _saves_epochs(args)):
+            control.should_save = self._save_requested = True  # on_save then seals it and ends the step
+        else:
+            self._end_step(control)
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if not self._save_requested:
+            # a second save of a step (save_strategy="epoch" at an epoch's end): the step's checkpoint is sealed
+            if state.global_step != self._saved_step:
+                log.warning("the Trainer saved step %d outside a step's end: not kept", state.global_step)
+            shutil.rmtree(folder, ignore_errors=True)
+            return control
+        self._save_requested = False
+        self._store(folder)
+        self._saved_step = state.global_step
+        self._end_step(control)
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or _SUMMARY_KEYS & set(logs):
+            return control
+        values = {k: float(v) for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if values:
+            self.run.log(values, step=state.global_step)
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.loop is not None:
+            self.loop.close()
+        return control
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+    def _end_step(self, control) -> None:
+        if not self.loop.advance():
+            control.should_training_stop = True
+
+    def _store(self, folder: Path) -> None:
+        """Move the Trainer's checkpoint folder into a sealed checkpoint of the current step (every rank enters the
+        block; rank 0's files are the checkpoint, after every rank wrote its own RNG file into the folder)."""
+        run = self.run
+        run.dist.barrier()
+        with run.checkpoint(keep=self.keep) as ck:
+            if run.is_main:
+                if not folder.is_dir():
+                    raise RuntimeError(f"the Trainer's checkpoint {folder} is missing: is output_dir shared by all "
+                                       "ranks (run_trainer sets it)?")
+                for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+                    os.replace(path, ck.path(str(path.relative_to(folder))))
+        run.dist.barrier()
+        if run.is_main:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _epoch_ends(state) -> bool:
+    """True at the last optimizer step of an epoch (``state.epoch`` is a whole number there)."""
+    return state.epoch is not None and abs(state.epoch - round(state.epoch)) < 1e-9 and state.epoch >= 1
+
+
+def _saves_epochs(args) -> bool:
+    return str(getattr(args.save_strategy, "value", args.save_strategy)) == "epoch"
+
+
+def _check_arguments(args: Any, keep: int | None) -> int | None:
+    """Refuse the Trainer's arguments that would work against the run's store or tracking (see the module's
+    docstring); returns the ``keep`` to use.
+
+    Raises:
+        ConfigError: the setting, why, and what to do.
+    """
+    reporters = [r for r in (args.report_to or []) if r not in ("none", "mlflow")]
+    if reporters:
+        raise ConfigError(f"TrainingArguments(report_to={args.report_to!r}): {', '.join(reporters)} would start a "
+                          "run of its own at each requeue; set report_to='mlflow' or 'none' (the Trainer's logs go "
+                          "to the job's MLflow run either way)")
+    if args.load_best_model_at_end or str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+        raise ConfigError("TrainingArguments(load_best_model_at_end=True / save_strategy='best'): the Trainer would "
+                          "read checkpoint folders that gwenlake_hpc moves into the run's store; leave them off and "
+                          "attach the metric to the checkpoint instead (ck.metrics)")
+    if args.save_only_model:
+        raise ConfigError("TrainingArguments(save_only_model=True): a resumed run needs the optimizer, scheduler "
+                          "and RNG states; leave save_only_model off")
+    if args.push_to_hub:
+        raise ConfigError("TrainingArguments(push_to_hub=True): the model's version is its git commit (Output); "
+                          "push a promoted version instead (python -m gwenlake_hpc models ...), or leave it off")
+    limit = args.save_total_limit
+    if limit is not None and keep is not None and limit != keep:
+        raise ConfigError(f"TrainingArguments(save_total_limit={limit}) and run_trainer(keep={keep}) disagree: "
+                          "give one of them (both mean the checkpoints kept in the run's store)")
+    return keep if keep is not None else limit
+
+
+def run_trainer(trainer: Any, run: Any, *, keep: int | None = None) -> Any:
+    """Train ``trainer`` (a ``transformers.Trainer``) as this job's loop, from the run's newest checkpoint.
+
+    Sets the Trainer's ``max_steps`` (``job.steps``) or ``num_train_epochs`` (``job.epochs``), its
+    ``output_dir`` (``<run dir>/hf_trainer``, a scratch folder) and ``save_total_limit`` (None: the store keeps
+    ``keep``), replaces HF's ``MLflowCallback`` with :class:`GwenlakeCallback`, and calls
+    ``trainer.train(resume_from_checkpoint=run.resume_path)``.
+
+    Args:
+        trainer: the Trainer, built by the training function.
+        run: the job's Run.
+        keep: complete checkpoints kept (default: ``save_total_limit``, else all).
+
+    Returns:
+        The Trainer's ``TrainOutput``. After an eviction ``run.evicted`` is true: return None from the
+        training function (the job exits 75 and the next start resumes).
+
+    Raises:
+        ConfigError: a Trainer setting that cannot work here (see the module's docstring).
+    """
+    args = trainer.args
+    keep = _check_arguments(args, keep)
+    if run.total_steps is not None:
+        args.max_steps = int(run.total_steps)
+    elif run.epochs is not None:
+        args.max_steps, args.num_train_epochs = -1, run.epochs
+    scratch = Path(run.run_dir) / SCRATCH
+    if args.output_dir and Path(args.output_dir).resolve() != scratch.resolve():
+        log.info("the Trainer's output_dir (%s) is replaced by %s: its checkpoints are moved from there into the "
+                 "run's store", args.output_dir, scratch)
+    args.output_dir, args.save_total_limit = str(scratch), None
+    if run.is_main and scratch.is_dir():
+        shutil.rmtree(scratch)  # an interrupted start's unsealed folders
+    from transformers.integrations import MLflowCallback
+    trainer.remove_callback(MLflowCallback)
+    trainer.add_callback(GwenlakeCallback(run, keep))
+    resume = str(run.resume_path) if run.resumed else None
+    return trainer.train(resume_from_checkpoint=resume)
+
+
+def save_model(trainer: Any, output: Any) -> Path:
+    """Save the trained model (``save_pretrained``: config and safetensors weights; the tokenizer or processor
+    the Trainer holds) into the ``Output``, which the job commits and registers as the model's version.
+
+    Returns:
+        The Output's folder (``output.path``). ``transformers.AutoModel*.from_pretrained`` opens it, as it
+        opens ``gwenlake_hpc.load_model(name).path``.
+    """
+    trainer.save_model(str(output.path))
+    return Path(output.path)
+
