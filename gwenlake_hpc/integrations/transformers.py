@@ -84,7 +84,7 @@ class GwenlakeCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.loop.check_step(state.global_step)
-        if self.run.at_eval or control.should_save or (_epoch_ends(state) and _saves_epochs(args)):
+        if self.run.at_eval or control.should_save or (_epoch_ends(state) and _save_strategy(args) == "epoch"):
             control.should_save = self._save_requested = True  # on_save then seals it and ends the step
         else:
             self._end_step(control)
@@ -144,8 +144,9 @@ def _epoch_ends(state) -> bool:
     return state.epoch is not None and abs(state.epoch - round(state.epoch)) < 1e-9 and state.epoch >= 1
 
 
-def _saves_epochs(args) -> bool:
-    return str(getattr(args.save_strategy, "value", args.save_strategy)) == "epoch"
+def _save_strategy(args) -> str:
+    """``args.save_strategy`` as text (an enum in recent versions, a string in older ones)."""
+    return str(getattr(args.save_strategy, "value", args.save_strategy))
 
 
 def _check_arguments(args: Any, keep: int | None) -> int | None:
@@ -160,7 +161,7 @@ def _check_arguments(args: Any, keep: int | None) -> int | None:
         raise ConfigError(f"TrainingArguments(report_to={args.report_to!r}): {', '.join(reporters)} would start a "
                           "run of its own at each requeue; set report_to='mlflow' or 'none' (the Trainer's logs go "
                           "to the job's MLflow run either way)")
-    if args.load_best_model_at_end or str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+    if args.load_best_model_at_end or _save_strategy(args) == "best":
         raise ConfigError("TrainingArguments(load_best_model_at_end=True / save_strategy='best'): the Trainer would "
                           "read checkpoint folders that gwenlake_hpc moves into the run's store; leave them off and "
                           "attach the metric to the checkpoint instead (ck.metrics)")
