@@ -62,17 +62,22 @@ def make_model(p: LMParams) -> GPT2LMHeadModel:
                                       n_head=p.heads, bos_token_id=0, eos_token_id=0))
 
 
+def make_trainer(run, config: LMParams, **arguments) -> Trainer:
+    """The Trainer of this example: seeded by the run (``job.seed``), logging every step, no checkpoints of its
+    own (``run_trainer`` writes them into the run's store); ``arguments`` override its ``TrainingArguments``."""
+    torch.manual_seed(run.seed)
+    args = TrainingArguments(**{"output_dir": "unused", "per_device_train_batch_size": config.batch_size,
+                                "learning_rate": config.lr, "logging_steps": 1, "save_strategy": "no",
+                                "report_to": "none", "seed": run.seed, "use_cpu": not torch.cuda.is_available(),
+                                "dataloader_num_workers": 0, "disable_tqdm": True, **arguments})
+    return Trainer(model=make_model(config), args=args,
+                   train_dataset=ByteSequences(make_text(config.sequences, run.seed), config.context),
+                   eval_dataset=ByteSequences(make_text(256, run.seed + 1), config.context))
+
+
 @train(output=Output("lm.tiny"), steps=200, eval_every=50)
 def fit(output, run, config: LMParams):
-    torch.manual_seed(run.seed)
-    model = make_model(config)
-    args = TrainingArguments(output_dir="unused", per_device_train_batch_size=config.batch_size,
-                             learning_rate=config.lr, logging_steps=1, save_strategy="no", report_to="none",
-                             seed=run.seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-                             disable_tqdm=True)
-    trainer = Trainer(model=model, args=args,
-                      train_dataset=ByteSequences(make_text(config.sequences, run.seed), config.context),
-                      eval_dataset=ByteSequences(make_text(256, run.seed + 1), config.context))
+    trainer = make_trainer(run, config)
     run_trainer(trainer, run, keep=2)
     if run.evicted:
         return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 #: Exit status of a usage or configuration error (bad override, unknown job, missing dataset).
 EXIT_USAGE = 2
@@ -26,6 +27,32 @@ class ConfigError(GwenlakeError, ValueError):
     """
 
     exit_code = EXIT_USAGE
+
+
+#: Functions that recognise a framework's own exception as bad input (see :func:`as_config_error`).
+_TRANSLATORS: list[Callable[[BaseException], "ConfigError | None"]] = []
+
+
+def recognise_config_errors(translate: Callable[[BaseException], "ConfigError | None"]) -> None:
+    """Register ``translate``: given an exception a training function raised, it returns the
+    :class:`ConfigError` it stands for (a framework's refusal of a setting, raised before any training), or
+    None. An integration registers one when imported (``gwenlake_hpc.integrations.transformers``); a function
+    registered twice is kept once."""
+    if translate not in _TRANSLATORS:
+        _TRANSLATORS.append(translate)
+
+
+def as_config_error(exc: BaseException) -> "ConfigError | None":
+    """The :class:`ConfigError` a registered translator sees in ``exc`` (the job then exits 2 with its message
+    instead of a traceback), else None. A translator that raises is ignored."""
+    for translate in _TRANSLATORS:
+        try:
+            found = translate(exc)
+        except Exception:
+            continue
+        if found is not None:
+            return found
+    return None
 
 
 class TrainDefinitionError(ConfigError, TypeError):

@@ -40,12 +40,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import traceback
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
-from ..base.errors import ConfigError
+from ..base.errors import ConfigError, recognise_config_errors
 from .loop import DrivenLoop
 
 log = logging.getLogger("gwenlake_hpc.integrations")
@@ -178,6 +179,25 @@ def _check_arguments(args: Any, keep: int | None) -> int | None:
     return keep if keep is not None else limit
 
 
+def _tracker_refusal(exc: BaseException) -> ConfigError | None:
+    """The Trainer's constructor failing to start a ``report_to`` tracker (``report_to="wandb"`` where wandb is
+    not installed raises RuntimeError from ``transformers/integrations/``): the same refusal as
+    :func:`_check_arguments`'s, exit 2 instead of a traceback."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames or not isinstance(exc, (RuntimeError, ImportError)):
+        return None
+    where = [f.filename.replace(os.sep, "/") for f in frames]
+    if "/transformers/integrations/" not in where[-1] or not any(w.endswith("/transformers/trainer.py")
+                                                                    for w in where):
+        return None
+    return ConfigError(f"TrainingArguments(report_to=...): the Trainer could not start its tracker ({exc}); set "
+                       "report_to='mlflow' or 'none': the Trainer's logs go to the job's MLflow run either way, and "
+                       "another tracker would start a run of its own at each requeue")
+
+
+recognise_config_errors(_tracker_refusal)
+
+
 def run_trainer(trainer: Any, run: Any, *, keep: int | None = None) -> Any:
     """Train ``trainer`` (a ``transformers.Trainer``) as this job's loop, from the run's newest checkpoint.
 
@@ -208,6 +228,10 @@ def run_trainer(trainer: Any, run: Any, *, keep: int | None = None) -> Any:
     if args.output_dir and Path(args.output_dir).resolve() != scratch.resolve():
         log.info("the Trainer's output_dir (%s) is replaced by %s: its checkpoints are moved from there into the "
                  "run's store", args.output_dir, scratch)
+        try:
+            Path(args.output_dir).rmdir()  # the empty folder the Trainer's constructor made; nothing else
+        except OSError:
+            pass
     args.output_dir, args.save_total_limit = str(scratch), None
     if run.is_main and scratch.is_dir():
         shutil.rmtree(scratch)  # an interrupted start's unsealed folders

@@ -28,7 +28,8 @@ from ..stores.checkpoints import DamagedFileError
 from ..runtime.distributed import Dist
 from ..runtime.distributed import setup as setup_distributed
 from ..runtime.distributed import teardown as teardown_distributed
-from ..base.errors import EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, NonFiniteError, StartLimitError
+from ..base.errors import (EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, NonFiniteError, StartLimitError,
+                           as_config_error)
 from .finish import JobResult, Start, finish
 from ..base.fsutil import read_json, write_json_atomic
 from .arguments import bind_arguments
@@ -466,7 +467,11 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
         except NonFiniteError as exc:
             log.error("%s", exc)
             return _end_failed(run, tracker, finish_timeout)
-        except Exception:
+        except Exception as exc:
+            refusal = as_config_error(exc)  # a framework's refusal of a setting (an integration's translator)
+            if refusal is not None:
+                _end_failed(run, tracker, finish_timeout)
+                raise refusal from None
             log.error("the training function raised at step %d:\n%s", run.step, traceback.format_exc())
             return _end_failed(run, tracker, finish_timeout)
         with shield_children():  # git, the registry: SLURM's signals must not kill the children of the commit
