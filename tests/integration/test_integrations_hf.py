@@ -5,56 +5,34 @@ tests' signal hooks)."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
-import subprocess
 
 import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from mlflow import MlflowClient  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from helpers.project import REPO, TESTS, Project, git  # noqa: E402
+from helpers.integrations import (checkpoints, history, make_framework_project, the_run,  # noqa: E402
+                                  version_line, weights)
 
 pytestmark = pytest.mark.slow
 
 JOB = "target: hf_hooks:fit\nsteps: 30\neval_every: 10\nseed: 0\nparams:\n  sequences: 512\n"
 # The Trainer's own checkpoints as a user sets them: an output_dir of its own, save_steps, save_total_limit
 OWN_SAVES = {"output_dir": "mine", "save_strategy": "steps", "save_steps": 7, "save_total_limit": 2}
+WEIGHTS = "lm/tiny/model.safetensors"
 
 
-def _project(root) -> Project:
-    root.mkdir(parents=True)
-    shutil.copytree(REPO / "conf", root / "conf")
-    shutil.copytree(REPO / "examples", root / "examples", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(TESTS / "project" / "hf_hooks.py", root / "hf_hooks.py")
-    (root / "conf" / "job" / "hf_t.yaml").write_text(JOB)
-    (root / ".gitignore").write_text("runs/\n")
-    git(root, "init", "-q", "-b", "main")
-    git(root, "add", "-A")
-    git(root, "commit", "-q", "-m", "code")
-    return Project(root)
+def _project(root):
+    return make_framework_project(root, "hf_hooks.py", "hf_t", JOB)
 
 
 def _version(proc) -> str:
-    last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("model lm.tiny version "), proc.stdout + proc.stderr
-    return last.split()[-1]
+    return version_line(proc, "lm.tiny")
 
 
 def _checkpoints(project) -> list[str]:
-    (run_dir,) = (project.root / "runs" / "lm.tiny").iterdir()
-    return sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step-"))
-
-
-def _weights(project, sha) -> dict:
-    path = project.root / f"w-{sha[:8]}.safetensors"
-    path.write_bytes(subprocess.run(["git", "cat-file", "blob", f"{sha}:lm/tiny/model.safetensors"],
-                                    cwd=project.root, capture_output=True, check=True).stdout)
-    return load_file(str(path))
+    return checkpoints(project, "lm.tiny")
 
 
 def test_sigterm_then_sigkill_in_the_checkpoint_write_resume_to_the_uninterrupted_weights(tmp_path):
@@ -82,21 +60,18 @@ def test_sigterm_then_sigkill_in_the_checkpoint_write_resume_to_the_uninterrupte
     v = _version(last)
 
     # the Trainer restores data order (skip_first_batches) and RNG (rng_state.pth, dropout): the same weights
-    a, b = _weights(straight, v_straight), _weights(p, v)
+    a, b = weights(straight, v_straight, WEIGHTS), weights(p, v, WEIGHTS)
     assert sorted(a) == sorted(b) and len(a) > 5
     for name in a:
         assert (a[name] == b[name]).all(), name
 
-    # one MLflow run across the three starts, `loss` one point per step 1..30 (18..19 were logged twice)
-    client = MlflowClient(f"sqlite:///{p.root / 'runs' / 'mlflow.db'}")
-    exp = client.get_experiment_by_name("lm.tiny")
-    runs = client.search_runs([exp.experiment_id])
-    assert len(runs) == 1
+    # one MLflow run across the three starts, `loss` one point per step 1..30 (18..19 were logged twice), the
+    # same losses as the uninterrupted run's, step by step
+    client, _ = the_run(p, "lm.tiny")
     assert sorted(e.name for e in client.search_experiments()) == ["Default", "lm.tiny"]
-    history = client.get_metric_history(runs[0].info.run_id, "loss")
-    assert sorted(m.step for m in history) == list(range(1, 31))
-    # the same losses as the uninterrupted run's, step by step
-    assert {m.step: m.value for m in history} == _losses(straight)
+    losses = history(p, "lm.tiny", "loss")
+    assert sorted(losses) == list(range(1, 31))
+    assert losses == history(straight, "lm.tiny", "loss")
 
     # the version opens with from_pretrained, and predicts what the training's last weights predict
     import torch
@@ -107,12 +82,6 @@ def test_sigterm_then_sigkill_in_the_checkpoint_write_resume_to_the_uninterrupte
     model = AutoModelForCausalLM.from_pretrained(str(loaded.path))
     assert torch.equal(model.state_dict()["transformer.wte.weight"], b["transformer.wte.weight"])
     assert loaded.metrics["eval_loss"] < 4.0  # from ~5.5 (uniform over 256 bytes) at step 0
-
-
-def _losses(project) -> dict[int, float]:
-    client = MlflowClient(f"sqlite:///{project.root / 'runs' / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("lm.tiny").experiment_id])
-    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
 
 
 @pytest.mark.parametrize("arguments, named", [

@@ -1,0 +1,266 @@
+"""A Lightning ``Trainer`` inside an ordinary ``@train`` function: eviction, resume, one MLflow run.
+
+    from gwenlake_hpc.integrations.lightning import fit_trainer, save_model
+
+    @train(output=Output("crm.churn-lightning"), steps=600, eval_every=100)
+    def fit(output, run, config):
+        module = ChurnModule(...)
+        trainer = lightning.Trainer(log_every_n_steps=1, enable_progress_bar=False)
+        fit_trainer(trainer, module, run, train_dataloaders=loader, keep=2)
+        if run.evicted:
+            return None
+        save_model(module, output)              # the version: committed and registered by the job
+
+Responsibilities (:func:`fit_trainer` and its :class:`GwenlakeCallback`):
+
+- the length: ``job.steps`` is the Trainer's ``max_steps`` (``job.epochs`` its ``max_epochs``); the Run's step is
+  ``trainer.global_step`` (optimizer steps: with gradient accumulation a step ends every ``accumulate_grad_batches``
+  batches), checked at every step;
+- checkpoints: at the Run's ``at_eval`` steps (``job.eval_every``, the last step, the step after a stop request)
+  ``trainer.save_checkpoint`` writes ``lightning.ckpt`` (weights, optimizers, schedulers, loop progress, callbacks'
+  states) into a ``run.checkpoint()`` block: sealed, verified while loading, kept by ``keep=``, safe against a kill
+  at any moment; ``ckpt_path`` is the Run's ``resume_path`` (the newest sealed one; a damaged one is set aside for
+  the one before by the Run);
+- eviction: a stop request ends the training at the next optimizer-step boundary, after that step's checkpoint
+  (``trainer.should_stop``); the job exits 75;
+- signals: Lightning's own handlers (SIGTERM, which ends ``fit`` with ``SIGTERMException``, and the SLURM
+  requeue signal of ``SLURMEnvironment(auto_requeue=True)``, which saves inside the handler and calls ``scontrol
+  requeue``) are not installed: the job owns the signals and decides the requeue, as for any training; a warning
+  says so where the Trainer was given ``SLURMEnvironment(auto_requeue=True)``;
+- logging: ``self.log`` of the LightningModule goes to ``run.log`` at ``trainer.global_step`` (the job's MLflow
+  run, one point per step across restarts, ``log_every_n_steps`` apart). Lightning's default logger and an
+  ``MLFlowLogger`` are replaced by :class:`GwenlakeLogger` (the latter would start a run of its own at each
+  requeue); other file loggers are kept.
+
+Settings refused with exit 2 before training (:class:`~gwenlake_hpc.base.errors.ConfigError`, naming the setting
+and the fix): a ``ModelCheckpoint`` of the user's (a ``dirpath``, ``monitor``, ``every_n_*`` or ``save_last`` of
+its own: checkpoints outside the run's store; the default one is removed) and the loggers of other trackers
+(``WandbLogger``, ``CometLogger``, ``NeptuneLogger``: a run of their own at each requeue).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger
+
+from ..base.errors import ConfigError, recognise_config_errors
+from .loop import DrivenLoop
+
+log = logging.getLogger("gwenlake_hpc.integrations")
+
+__all__ = ["GwenlakeCallback", "GwenlakeLogger", "fit_trainer", "save_model", "CHECKPOINT_FILE"]
+
+#: The file ``trainer.save_checkpoint`` writes in each of the run's checkpoints.
+CHECKPOINT_FILE = "lightning.ckpt"
+#: Loggers of trackers that would start a run of their own at each requeue.
+_OTHER_TRACKERS = ("WandbLogger", "CometLogger", "NeptuneLogger")
+
+
+class GwenlakeLogger(Logger):
+    """Lightning's logger into the job's run: ``log_metrics`` is ``run.log(metrics, step=trainer.global_step)``
+    (the optimizer steps done; Lightning's own ``step`` argument counts from 0); ``log_hyperparams`` logs
+    nothing (the job's parameters are the Hydra config's, logged once)."""
+
+    def __init__(self, run: Any):
+        super().__init__()
+        self.run = run
+        self.trainer: pl.Trainer | None = None
+
+    @property
+    def name(self) -> str:
+        return "gwenlake_hpc"
+
+    @property
+    def version(self) -> str:
+        return str(self.run.run_key)
+
+    def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        values = {k: float(v) for k, v in metrics.items() if k != "epoch"}
+        if "epoch" in metrics:
+            values["epoch"] = float(metrics["epoch"])
+        at = self.trainer.global_step if self.trainer is not None else (step or 0) + 1
+        if values:
+            self.run.log(values, step=int(at))
+
+
+class GwenlakeCallback(Callback):
+    """Drives the Run's loop from the Trainer's hooks (see the module's docstring).
+
+    Args:
+        run: the job's Run.
+        keep: complete checkpoints kept (``run.checkpoint(keep=)``); None keeps all.
+    """
+
+    def __init__(self, run: Any, keep: int | None = None):
+        self.run, self.keep = run, keep
+        self.loop: DrivenLoop | None = None
+        self._last_step = -1
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step != self.run.start_step:
+            raise RuntimeError(f"the Lightning Trainer starts at step {trainer.global_step} and the Run at "
+                               f"{self.run.start_step}: pass ckpt_path=run.resume_path / {CHECKPOINT_FILE!r} "
+                               "(fit_trainer does)")
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        self.loop = DrivenLoop(self.run, int(total), "the Lightning Trainer")
+        self._last_step = trainer.global_step
+        if not self.loop.advance():
+            trainer.should_stop = True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self._last_step:
+            return  # a batch of gradient accumulation: no optimizer step yet
+        self._last_step = trainer.global_step
+        self.loop.check_step(trainer.global_step)
+        if self.run.at_eval:
+            with self.run.checkpoint(keep=self.keep) as ck:
+                trainer.save_checkpoint(ck.path(CHECKPOINT_FILE))
+        if not self.loop.advance():
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.loop is not None:
+            self.loop.close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.loop is not None and not self.loop.ended:
+            self.loop.ended = True  # the job ends the Run (the checkpoint in flight is sealed there)
+
+
+def _own_checkpointing(cb: ModelCheckpoint) -> bool:
+    """A ModelCheckpoint configured by the user (not the one Lightning adds by default)."""
+    return bool(cb.dirpath or cb.monitor or cb.save_last or cb._every_n_train_steps
+                or cb._train_time_interval or (cb._every_n_epochs not in (0, 1)))
+
+
+def _prepare(trainer: pl.Trainer, run: Any, keep: int | None) -> GwenlakeCallback:
+    """Refuse or replace what would work against the run's store, tracking or signals; add the callback and the
+    logger (see the module's docstring).
+
+    Raises:
+        ConfigError: the setting, why, and what to do.
+    """
+    for cb in list(trainer.callbacks):
+        if isinstance(cb, ModelCheckpoint):
+            if _own_checkpointing(cb):
+                raise ConfigError("lightning.Trainer(callbacks=[ModelCheckpoint(...)]): it writes checkpoints outside "
+                                  "the run's store; remove it (fit_trainer checkpoints at job.eval_every into the "
+                                  "run's store, keep= of them) and attach a metric to a checkpoint instead")
+            trainer.callbacks.remove(cb)  # Lightning's default one: the run's store holds the checkpoints
+    loggers = []
+    for logger in trainer.loggers:
+        kind = type(logger).__name__
+        if kind in _OTHER_TRACKERS:
+            raise ConfigError(f"lightning.Trainer(logger={kind}(...)): it would start a run of its own at each "
+                              "requeue; leave logger unset or pass an MLFlowLogger (both go to the job's MLflow run)")
+        if isinstance(logger, MLFlowLogger):
+            log.info("the Trainer's MLFlowLogger is replaced by the job's MLflow run (one run across restarts)")
+        elif isinstance(logger, (CSVLogger, TensorBoardLogger)) and logger.name == "lightning_logs":
+            pass  # Lightning's default logger
+        else:
+            loggers.append(logger)
+    own = GwenlakeLogger(run)
+    own.trainer = trainer
+    trainer.loggers = [own, *loggers]
+    env = trainer._accelerator_connector.cluster_environment
+    if getattr(env, "auto_requeue", False) and trainer._accelerator_connector._cluster_environment_flag is env:
+        log.warning("lightning.Trainer(plugins=[SLURMEnvironment(auto_requeue=True)]): Lightning's requeue and its "
+                    "signal handlers are off; gwenlake_hpc owns the signals and requeues the job (launcher=slurm)")
+    # Lightning's handlers would end fit() with SIGTERMException on SIGTERM and requeue from inside a handler
+    trainer._signal_connector.register_signal_handlers = lambda: None
+    callback = GwenlakeCallback(run, keep)
+    trainer.callbacks.append(callback)
+    return callback
+
+
+def _logger_refusal(exc: BaseException) -> ConfigError | None:
+    """A logger of another tracker failing in its constructor (``WandbLogger`` where wandb is not installed raises
+    ModuleNotFoundError from ``lightning/pytorch/loggers/``): the same refusal as :func:`_prepare`'s, exit 2
+    instead of a traceback."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames or not isinstance(exc, ImportError):
+        return None
+    where = [f.filename.replace(os.sep, "/") for f in frames]
+    if not any("/lightning/pytorch/loggers/" in w for w in where):
+        return None
+    return ConfigError(f"lightning.Trainer(logger=...): its logger could not start ({exc}); leave logger unset or "
+                       "pass an MLFlowLogger: the module's self.log goes to the job's MLflow run either way, and "
+                       "another tracker would start a run of its own at each requeue")
+
+
+recognise_config_errors(_logger_refusal)
+
+
+def fit_trainer(trainer: pl.Trainer, module: pl.LightningModule, run: Any, *, keep: int | None = None,
+                **fit_kwargs: Any) -> None:
+    """Fit ``module`` with ``trainer`` as this job's loop, from the run's newest checkpoint.
+
+    Sets the Trainer's ``max_steps`` (``job.steps``; ``max_epochs`` unbounded) or ``max_epochs`` (``job.epochs``),
+    replaces its default checkpointing, logger and signal handlers (see the module's docstring), and calls
+    ``trainer.fit(module, ckpt_path=run.resume_path / "lightning.ckpt", **fit_kwargs)``.
+
+    Args:
+        trainer: the ``lightning.Trainer``, built by the training function (``max_steps``/``max_epochs`` are the
+            job's).
+        module: the LightningModule.
+        run: the job's Run.
+        keep: complete checkpoints kept (default all).
+        fit_kwargs: ``train_dataloaders``, ``val_dataloaders``, ``datamodule``: passed to ``trainer.fit``.
+
+    Returns:
+        None. After an eviction ``run.evicted`` is true: return None from the training function (the job exits 75
+        and the next start resumes).
+
+    Raises:
+        ConfigError: a Trainer setting that cannot work here (see the module's docstring), or ``ckpt_path`` in
+            ``fit_kwargs`` (the run's checkpoints are the resume point).
+    """
+    if "ckpt_path" in fit_kwargs:
+        raise ConfigError("fit_trainer(ckpt_path=...): the run resumes from its own newest sealed checkpoint "
+                          "(job.resume); leave ckpt_path out")
+    _prepare(trainer, run, keep)
+    loop = trainer.fit_loop
+    if run.total_steps is not None:
+        loop.epoch_loop.max_steps, loop.max_epochs = int(run.total_steps), -1
+    elif run.epochs is not None:
+        loop.epoch_loop.max_steps, loop.max_epochs = -1, int(run.epochs)
+    ckpt = None
+    if run.resumed:
+        ckpt = Path(run.resume_path) / CHECKPOINT_FILE
+        if not ckpt.is_file():
+            raise ConfigError(f"{run.resume_path} holds no {CHECKPOINT_FILE}: it was not written by fit_trainer; "
+                              "start a new run (job.resume=never) or resume it with the training that wrote it")
+    trainer.fit(module, ckpt_path=str(ckpt) if ckpt else None, **fit_kwargs)
+
+
+def save_model(module: Any, output: Any) -> Path:
+    """Save the trained module's weights (``state_dict``, safetensors) as ``model.safetensors`` in the ``Output``,
+    which the job commits and registers as the model's version; its ``hparams`` (``save_hyperparameters``) as
+    ``hparams.json`` where it has any.
+
+    Returns:
+        The weights' file. ``gwenlake_hpc.load_state(load_model(name).path / "model.safetensors", model=m)``
+        loads them into a module built alike.
+    """
+    import json
+
+    from ..stores.checkpoints.state import save_state
+
+    path = Path(output.file("model.safetensors"))
+    save_state(path, model=module)
+    hparams = dict(getattr(module, "hparams", {}) or {})
+    if hparams:
+        output.file("hparams.json").write_text(json.dumps(hparams, indent=2, sort_keys=True, default=str))
+    return path

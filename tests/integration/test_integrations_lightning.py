@@ -1,0 +1,94 @@
+"""A Lightning Trainer as a job's loop (gwenlake_hpc.integrations.lightning), in real processes with real signals:
+examples/lightning_churn.py's module on the churn data through tests/project/lightning_hooks.py (the same
+training, with the tests' signal hooks)."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+pytest.importorskip("lightning")
+pytest.importorskip("torchdata")
+
+from helpers.integrations import (checkpoints, history, make_framework_project, the_run,  # noqa: E402
+                                  version_line, weights)
+
+pytestmark = pytest.mark.slow
+
+MODEL = "crm.churn-lightning"
+# 60 steps of 128 customers: epoch 0 is steps 1..45 (5,634 customers), the eviction is in it, the kill in epoch 1
+JOB = "target: lightning_hooks:fit\nsteps: 60\neval_every: 20\nseed: 0\n"
+WEIGHTS = "crm/churn-lightning/model.safetensors"
+
+
+def _project(root):
+    return make_framework_project(root, "lightning_hooks.py", "pl_t", JOB)
+
+
+def test_sigterm_then_sigkill_in_the_checkpoint_write_resume_to_the_uninterrupted_weights(tmp_path):
+    # The Trainer as users write it, with an MLFlowLogger of its own and SLURMEnvironment(auto_requeue=True)
+    env = {"GWL_TEST_PL": json.dumps({"logger": "mlflow", "slurm_requeue": True})}
+    straight = _project(tmp_path / "straight")
+    v_straight = version_line(straight.run("+job=pl_t", env=env, check=0), MODEL)
+
+    p = _project(tmp_path / "interrupted")
+    # SIGTERM during step 25: Lightning's own SIGTERM handler (SIGTERMException) is not installed; the loop ends
+    # after step 26, whose checkpoint is sealed; the job exits 75
+    first = p.run("+job=pl_t", env={**env, "GWL_TEST_SIGTERM_AT": "25"}, check=75)
+    out = first.stdout + first.stderr
+    assert "loop ended after step 26" in out and "SIGTERMException" not in out, out
+    assert "SLURMEnvironment(auto_requeue=True)" in out  # the warning that Lightning's requeue is off
+    assert checkpoints(p, MODEL) == ["step-000000020", "step-000000026"]
+
+    # SIGKILL with half of step 40's lightning.ckpt written: never sealed, never resumed from
+    second = p.run("+job=pl_t", env={**env, "GWL_TEST_SIGKILL_IN_SAVE": "40"}, check=-signal.SIGKILL)
+    assert "resuming from step 26" in second.stdout + second.stderr, second.stderr
+    assert checkpoints(p, MODEL) == ["step-000000020", "step-000000026"]
+
+    last = p.run("+job=pl_t", env=env, check=0)
+    out = last.stdout + last.stderr
+    assert "resuming from step 26" in out and "not resumable" not in out, out
+    assert checkpoints(p, MODEL) == ["step-000000040", "step-000000060"]
+    v = version_line(last, MODEL)
+
+    # Lightning restores the loader's position (StatefulDataLoader), the Run the RNG (dropout), the example's
+    # sampler each epoch's order: the same weights, bit for bit
+    a, b = weights(straight, v_straight, WEIGHTS), weights(p, v, WEIGHTS)
+    assert sorted(a) == sorted(b) and a
+    for name in a:
+        assert (a[name] == b[name]).all(), name
+
+    # the MLFlowLogger's points land in the job's run: one run, no experiment "mine", no ./mlruns; `loss` one
+    # point per step 1..60 (27..39 were logged twice), the uninterrupted run's values
+    client, _ = the_run(p, MODEL)
+    assert sorted(e.name for e in client.search_experiments()) == ["Default", MODEL]
+    assert not (p.root / "mlruns").exists() and not (p.root / "lightning_logs").exists()
+    losses = history(p, MODEL, "loss")
+    assert sorted(losses) == list(range(1, 61))
+    assert losses == history(straight, MODEL, "loss")
+
+    # the version loads into a module built alike, and scores as the training reported
+    import torch
+
+    from examples.lightning_churn import ChurnModule
+    from gwenlake_hpc import load_model, load_state
+    loaded = load_model(MODEL, v, repo=p.root)
+    hp = json.loads((loaded.path / "hparams.json").read_text())
+    module = ChurnModule(**hp)
+    load_state(loaded.path / "model.safetensors", model=module)
+    assert torch.equal(module.model[0].weight, b["model.0.weight"])
+    assert 0.7 < loaded.metrics["test_auc"] < 1.0
+
+
+@pytest.mark.parametrize("extras, named", [
+    ({"logger": "wandb"}, "logger"),  # wandb is not installed here: WandbLogger's constructor raises
+    ({"model_checkpoint": {"dirpath": "mine", "every_n_train_steps": 5}}, "ModelCheckpoint"),
+])
+def test_settings_that_cannot_work_exit_2_naming_the_setting(tmp_path, extras, named):
+    p = _project(tmp_path / "p")
+    proc = p.run("+job=pl_t", env={"GWL_TEST_PL": json.dumps(extras)}, check=2)
+    out = proc.stdout + proc.stderr
+    assert named in out and "Traceback" not in out, out
+    assert not list((p.root / "runs" / MODEL).glob("*/checkpoints/step-*")) and not (p.root / "mine").exists()
