@@ -4,8 +4,9 @@ integration and without, on the same tiny model, side by side in one run.
 - ``hf``: examples/hf_trainer.py's tiny GPT-2 (2 blocks of width 32, batches of 16 x 32 tokens), the Hugging Face
   ``Trainer.train()`` alone vs ``run_trainer`` (a Run of the same length: the callback, ``run.log`` of every
   step's logs, the Run's loop);
-- ``lightning``: examples/lightning_churn.py's MLP on random features [128, 40], ``trainer.fit`` alone vs
-  ``fit_trainer``.
+- ``lightning``: examples/lightning_churn.py's MLP on random features [128, 40], ``trainer.fit`` alone (with
+  Lightning's default logger, as a user has it: CSV or TensorBoard files) vs ``fit_trainer`` (whose logger into the
+  job's run replaces it).
 
 The Run has no tracker behind ``run.log`` (``NullTracker``: the delivery to MLflow runs in its own thread in a
 job, measured by bench_tracking.py) and checkpoints only after its last step, which is not timed: the figures are
@@ -98,7 +99,7 @@ def lightning_round(tmp: Path, name: str, steps: int, integrated: bool) -> _Cloc
     module = ChurnModule(40, 32, 0.1, 3e-3, 1e-4)
     trainer = L.Trainer(accelerator="auto", devices=1, max_steps=steps, log_every_n_steps=1,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                        logger=False, callbacks=[Tick()], default_root_dir=str(tmp / name))
+                        callbacks=[Tick()], default_root_dir=str(tmp / name))
     if integrated:
         fit_trainer(trainer, module, _run(tmp, name, steps), train_dataloaders=loader)
     else:

@@ -12,13 +12,16 @@ from safetensors.torch import load_file
 from .project import REPO, TESTS, Project, git
 
 
-def make_framework_project(root, hooks: str, job: str, job_yaml: str) -> Project:
-    """A project at ``root`` holding tests/project/``hooks`` and ``conf/job/<job>.yaml`` = ``job_yaml``."""
+def make_framework_project(root, hooks: str | None = None, job: str | None = None, job_yaml: str = "") -> Project:
+    """A project at ``root`` holding conf/, examples/, tests/project/``hooks`` and ``conf/job/<job>.yaml`` =
+    ``job_yaml`` (the last two where given)."""
     root.mkdir(parents=True)
     shutil.copytree(REPO / "conf", root / "conf")
     shutil.copytree(REPO / "examples", root / "examples", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(TESTS / "project" / hooks, root / hooks)
-    (root / "conf" / "job" / f"{job}.yaml").write_text(job_yaml)
+    if hooks:
+        shutil.copy(TESTS / "project" / hooks, root / hooks)
+    if job:
+        (root / "conf" / "job" / f"{job}.yaml").write_text(job_yaml)
     (root / ".gitignore").write_text("runs/\ndata/\n")
     git(root, "init", "-q", "-b", "main")
     git(root, "add", "-A")
