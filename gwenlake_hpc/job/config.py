@@ -24,6 +24,7 @@ from omegaconf import MISSING
 
 from ..base import rules
 from ..base.errors import ConfigError
+from ..base.lease import DEFAULT_TIMEOUT_S as DEFAULT_LEASE_TIMEOUT_S
 from ..runtime.interval import AUTO, DEFAULT_MAX_INTERVAL_S, DEFAULT_MTBF_H
 
 #: ``launcher.progress`` values: a tqdm bar on a terminal and log lines otherwise, or one of them, or none.
@@ -126,6 +127,10 @@ class JobConfig:
             time between unannounced interruptions).
         mtbf_h: with ``eval_every=auto``, M in hours until the run has seen an unannounced interruption (24).
         max_eval_interval_s: with ``eval_every=auto``, the longest interval between two evaluations (1800 s).
+        lease_timeout_s: seconds a start's lease of its run may go without renewal before the next start breaks
+            it (:mod:`gwenlake_hpc.base.lease`; renewed every quarter of it). 60 by default.
+        lease_wait_s: seconds a start waits for the run's lease held by a live start before it exits 2; None:
+            0 for a first start, ``max(180, 2 x lease_timeout_s)`` for a requeued SLURM start.
         params: hyperparameters passed as ``config`` (checked against the function's dataclass if annotated).
     """
 
@@ -142,6 +147,8 @@ class JobConfig:
     slow_rank_factor: float = 1.5
     mtbf_h: Any = DEFAULT_MTBF_H
     max_eval_interval_s: Any = DEFAULT_MAX_INTERVAL_S
+    lease_timeout_s: Any = DEFAULT_LEASE_TIMEOUT_S
+    lease_wait_s: Any = None
     params: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -156,6 +163,13 @@ class JobConfig:
                               "by default)")
         rules.positive_number("job.max_eval_interval_s", self.max_eval_interval_s, "seconds: the longest interval "
                               f"job.eval_every=auto chooses ({DEFAULT_MAX_INTERVAL_S:g} by default)")
+        rules.positive_number("job.lease_timeout_s", self.lease_timeout_s, "seconds a run's lease may go without "
+                              f"renewal before the next start breaks it ({DEFAULT_LEASE_TIMEOUT_S:g} by default)")
+        if self.lease_timeout_s < 1:  # renewed every quarter of it: below a second the renewals would flood the server
+            raise ConfigError(f"job.lease_timeout_s={self.lease_timeout_s!r}: must be at least 1 second "
+                              f"({DEFAULT_LEASE_TIMEOUT_S:g} by default)")
+        if self.lease_wait_s is not None:
+            rules.positive_seconds("job.lease_wait_s", self.lease_wait_s, allow_zero=True)
         if self.steps is not None and self.epochs is not None:
             raise ConfigError(f"job.steps={self.steps} and job.epochs={self.epochs} are both set: keep one "
                               "(e.g. job.steps=null)")

@@ -32,6 +32,8 @@ from ..base.errors import (EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, N
                            as_config_error)
 from .finish import JobResult, Start, finish
 from ..base.fsutil import read_json, write_json_atomic
+from ..base.lease import DEFAULT_TIMEOUT_S as DEFAULT_LEASE_TIMEOUT_S
+from ..base.lease import Lease, read_holder
 from .arguments import bind_arguments
 from .plan import JobPlan, open_inputs, plan
 from .resume import finished_with, resume_point, retry_after_damaged_load
@@ -151,7 +153,8 @@ def _execute_rank(cfg: Any, stop: StopRequest, d: Dist) -> JobResult:
     if not d.is_main:
         return _execute_locked(p, kwargs, stop, d)  # rank 0 holds the run's lock for all ranks
     d.barrier()
-    lock = RunLock(p.run_dir)  # one process per run directory: a second one would fork the history
+    job = p.settings.job  # one start per run directory: a second one would fork the history
+    lock = RunLock(p.run_dir, job.lease_wait_s, float(job.lease_timeout_s), on_lost=stop.request)
     try:
         return _execute_locked(p, kwargs, stop, d)
     finally:
@@ -168,22 +171,36 @@ def _initial_model(p: JobPlan, name: str, b: Model, d: Dist) -> tuple[Path, str]
 
 
 class RunLock:
-    """An exclusive lock on ``<run_dir>/.lock`` held while a job runs.
+    """One start trains a run at a time: an exclusive ``flock`` on ``<run_dir>/.lock``, then the run's lease
+    (:class:`gwenlake_hpc.base.lease.Lease`), both held while the job runs.
 
-    ``flock`` works on local disks and on NFS with lock support; where the filesystem refuses locks
-    (ENOLCK) the job goes on with a warning rather than not at all.
+    ``flock`` is the fast first line: on a local disk and on NFS with lock support it refuses a second process
+    at once. Where the filesystem refuses locks (ENOLCK) the job goes on with a warning; where ``flock`` is local
+    to a node (BeeGFS, Lustre ``localflock``, FUSE) the lease, taken by an atomic create on the server, is what
+    holds across nodes, and its fence refuses every write of a start that lost it.
+
+    Args:
+        run_dir: the run directory.
+        wait_s: seconds to wait for the ``flock`` and the lease of a live holder; None: 0 for a first start,
+            ``max(180, 2 x lease_timeout_s)`` for a requeued SLURM start (the lock or lease of its lost node
+            may outlive it that long). ``job.lease_wait_s`` when set.
+        lease_timeout_s: ``job.lease_timeout_s``, seconds without renewal after which a lease is broken.
+        on_lost: called once with the reason if this start's lease is found taken (the job requests a stop).
 
     Raises:
-        ConfigError: another process holds the run (its host and pid are named).
+        ConfigError: another process holds the run (its host and pid are named), or the lease is held by a live
+            start (:class:`~gwenlake_hpc.base.lease.RunHeldError`, naming it).
     """
 
-    def __init__(self, run_dir: Path, wait_s: float | None = None):
+    def __init__(self, run_dir: Path, wait_s: float | None = None, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+                 on_lost: Any = None):
         import fcntl
 
         if wait_s is None:
             # A requeued SLURM job may start while the lock of its lost node has not expired yet (NFS leases
             # last about 90 s): wait for it there; locally, a second process is refused at once.
-            wait_s = 180.0 if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0 else 0.0
+            requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
+            wait_s = max(180.0, 2.0 * float(lease_timeout_s)) if requeued else 0.0
         self._fh = open(run_dir / ".lock", "a+")
         deadline = time.monotonic() + wait_s
         while True:
@@ -200,31 +217,45 @@ class RunLock:
                 raise ConfigError(f"run {run_dir} is being trained by {holder}; wait for it to end (two processes "
                                   "on one run would fork its checkpoints and its MLflow curve)") from None
             except OSError as exc:
-                log.warning("cannot lock %s (%s): make sure no other process runs this job", run_dir, exc)
+                log.warning("cannot lock %s (%s): the run's lease alone keeps a second start out", run_dir, exc)
                 break
+        try:
+            self.lease = Lease(run_dir, timeout_s=lease_timeout_s, wait_s=max(0.0, deadline - time.monotonic()),
+                               facts={"slurm_job_id": os.environ.get("SLURM_JOB_ID", "")},
+                               on_lost=on_lost).acquire()
+        except BaseException:
+            self._fh.close()
+            raise
         self._fh.seek(0)
         self._fh.truncate()
         self._fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         self._fh.flush()
 
     def release(self) -> None:
+        self.lease.release()
         self._fh.close()  # closing drops the flock
 
     @staticmethod
     def may_be_held(run_dir: Path) -> bool:
         """Whether a process may be training ``run_dir`` now: the last holder named in ``.lock`` runs on another
         host (it cannot be seen from here) or is alive on this one. False when no process ever held it or its
-        holder on this host is gone. Reads only: probing the flock itself could refuse a start at that moment."""
-        try:
-            m = re.fullmatch(r"pid (\d+) on (\S+)", (run_dir / ".lock").read_text().strip())
-        except OSError:
-            return False
-        if m is None:
-            return False
-        if m.group(2) != socket.gethostname():
+        holder on this host is gone. Reads only: probing the flock itself could refuse a start at that moment.
+        The run's lease, when there is one, names the holder (a lease released at a start's end is gone)."""
+        lease = read_holder(run_dir)
+        if lease is not None and lease.token:
+            host, pid = lease.host, lease.pid
+        else:
+            try:
+                m = re.fullmatch(r"pid (\d+) on (\S+)", (run_dir / ".lock").read_text().strip())
+            except OSError:
+                return False
+            if m is None:
+                return False
+            host, pid = m.group(2), int(m.group(1))
+        if host != socket.gethostname():
             return True
         try:
-            os.kill(int(m.group(1)), 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:

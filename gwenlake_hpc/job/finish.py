@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from .. import __version__
 from ..base.errors import EXIT_EVICTED, EXIT_FAILED, ConfigError
 from ..base.fsutil import write_json_atomic
+from ..base.lease import check_fence
 from .plan import JobPlan
 from ..stores.registry import after_commit, complete_pending_registrations, serving_info, warn_if_pending
 from ..runtime.signals import StopRequest
@@ -118,6 +119,7 @@ def finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
         tracker.wait_attached(min(finish_timeout, 30.0))
     lineage = _lineage(p, run, start)
     lineage["goodput"] = goodput_totals(p, run, start)
+    check_fence(f"committing the version of {p.model_name} at step {run.step}")  # a start that lost its run
     committed = _commit(p, run, metrics, lineage, start)
     if committed is None:
         tracker.finish("FAILED", timeout_s=finish_timeout)
@@ -249,6 +251,7 @@ def _complete(p: JobPlan, run: Run, start: Start, deferred: bool, version: str) 
     info["completed"] = {"steps": p.steps, "epochs": p.epochs, "final_step": run.step, "version": version,
                          "time": time.time()}
     info.setdefault("completions", []).append(info["completed"])
+    check_fence("recording the completion in run.json")
     write_json_atomic(start.info_path, info)
     tracker.finish("FINISHED", timeout_s=min(start.finish_timeout, 5.0) if start.stop.requested
                    else start.finish_timeout, after_finish=complete_pending_registrations if deferred else None)

@@ -14,7 +14,7 @@ def snapshot(root):
     for p in sorted((root / "runs").rglob("*")):
         # run.json and the goodput ledger (ledger/start-*.jsonl) record each start; checkpoints and outputs are
         # what must not change
-        if p.is_file() and p.name not in ("mlflow.db", "run.json", ".lock") and p.parent.name != "ledger":
+        if p.is_file() and p.name not in ("mlflow.db", "run.json", ".lock", ".fence") and p.parent.name != "ledger":
             out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
 

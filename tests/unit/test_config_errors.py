@@ -17,9 +17,10 @@ from gwenlake_hpc.base.errors import ConfigError
 
 
 def snapshot(root):
-    """sha256 of every file under runs/ (run.json included: a refused job records no start)."""
+    """sha256 of every file under runs/ (run.json included: a refused job records no start; the lock and the fence
+    counter, which a start refused after taking the run moves, excluded)."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted((root / "runs").rglob("*")) if p.is_file() and p.name not in ("mlflow.db", ".lock")}
+            for p in sorted((root / "runs").rglob("*")) if p.is_file() and p.name not in ("mlflow.db", ".lock", ".fence")}
 
 
 #: conf/cluster/NAME.yaml files as users write them: the README's keys, most without the defaults list that names

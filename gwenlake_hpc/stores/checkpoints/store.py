@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ...base.errors import CheckpointError, CheckpointFormatError, ConfigError
 from ...base.fsutil import atomic_file, fsync_dir
+from ...base.lease import check_fence
 from .digest import DEFAULT_ALGORITHM, entry_digest, file_digest
 
 if TYPE_CHECKING:
@@ -405,6 +406,7 @@ class PendingCheckpoint:
             fsync_dir(d)
         fsync_dir(self.dir)
         final = self.store.root / f"step-{self.step:09d}"
+        check_fence(f"sealing the checkpoint of step {self.step}")  # an older start that lost the run seals nothing
         if final.exists():
             problem = self.store.problem_of(final)
             if problem is None:

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from ...base.errors import ConfigError
 from ...base.fsutil import write_atomic
+from ...base.lease import FencedError, check_fence
 from .delivery.delivery_process import DeliveryProcess
 from .delivery.session import MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE_LENGTH, MAX_TAG_VALUE_LENGTH
 from .delivery.spool import Entry, SpoolReader, SpoolWriter, encode, stage_artifact
@@ -153,6 +154,7 @@ class Tracker:
         self._io_lock = threading.RLock()
         self._writer = SpoolWriter(self._state_dir)
         self._spool_warned = False
+        self._fenced: str | None = None  # why this start's points are dropped: a newer start took the run
         self._dropped = 0
 
         self._api_lock = threading.Lock()
@@ -372,6 +374,12 @@ class Tracker:
         with self._io_lock:
             with self._lock:
                 buf, self._buf = self._buf, []
+            if buf or sync:
+                try:
+                    check_fence("writing the tracking spool")
+                except FencedError as exc:
+                    self._fenced = str(exc)  # the points of a start that lost its run are dropped
+                    return False
             try:
                 self._writer.append(encode(buf))
                 if sync:
@@ -429,6 +437,13 @@ class Tracker:
             end_time = int(time.time() * 1000)
             self._closed = True
             self._wake.set()
+            try:
+                check_fence(f"marking the MLflow run {status}" if status else "delivering the spool")
+            except FencedError as exc:  # the run belongs to a newer start now: its status is not ours to set
+                logger.error("tracking: %s", exc)
+                self._delivery.stop()
+                self._final = (kind, status, False)
+                return False
             with self._io_lock:
                 written = self._write(sync=True)
                 with contextlib.suppress(OSError):
