@@ -87,6 +87,14 @@ class DamagedFileError(CheckpointError):
         return (type(self), (str(self), self.path, self.checkpoint))
 
 
+class CheckpointNotVisibleError(CheckpointError, ConfigError):
+    """The run's newest sealed checkpoint (named by its pointer) cannot be seen from this node within
+    ``checkpoint.visible_wait_s``: a stale cache of the shared filesystem. Exit 2 before any work, rather than a
+    resume from an older checkpoint that would lose steps and collide with the newer folders."""
+
+    exit_code = EXIT_USAGE
+
+
 class StartLimitError(GwenlakeError):
     """This start of a SLURM job is past ``launcher.max_starts`` (``GWENLAKE_MAX_STARTS`` against
     ``SLURM_RESTART_COUNT`` + 1): SLURM requeued it (a preemption, a lost node) after the last start the budget

@@ -68,6 +68,25 @@ class PathsConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """How a start finds the run's checkpoints on a shared filesystem (:mod:`gwenlake_hpc.stores.checkpoints.store`).
+
+    Attributes:
+        visible_wait_s: seconds a start waits for the newest checkpoint that the run's pointer
+            (``checkpoints/LATEST.json``, written at each seal) names but this node's cached listing does not
+            show yet (NFS ``actimeo`` up to 60 s, FUSE ``cache_timeout``); past it the start exits 2 rather than
+            resume from an older checkpoint. 90 by default; 0: no wait.
+    """
+
+    visible_wait_s: float = 90.0
+
+    def __post_init__(self) -> None:
+        rules.positive_seconds("checkpoint.visible_wait_s", self.visible_wait_s, allow_zero=True)
+        if self.visible_wait_s is None:
+            raise ConfigError("checkpoint.visible_wait_s=None: must be a number of seconds >= 0 (90 by default)")
+
+
+@dataclass
 class TrackingConfig:
     """MLflow tracking.
 
@@ -389,6 +408,7 @@ class GwenlakeConfig:
     paths: PathsConfig = field(default_factory=PathsConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     statsd: StatsdConfig = field(default_factory=StatsdConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launcher: Any = MISSING
     cluster: Optional[ClusterConfig] = None  # set by cluster=NAME (conf/cluster/NAME.yaml)
 

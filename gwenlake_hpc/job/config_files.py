@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ..base.errors import ConfigError
-from .config import (ClusterConfig, JobConfig, LauncherConfig, PathsConfig, SlurmLauncherConfig, StatsdConfig,
-                     TrackingConfig)
+from .config import (CheckpointConfig, ClusterConfig, JobConfig, LauncherConfig, PathsConfig, SlurmLauncherConfig,
+                     StatsdConfig, TrackingConfig)
 from .config_typed import did_you_mean, refuse_unknown_keys, refuse_unknown_top_keys, schema_fields
 
 
@@ -33,7 +33,8 @@ def check_keys(cfg: Any) -> None:
 
     refuse_unknown_top_keys(cfg)
     for key, schema in (("job", JobConfig), ("paths", PathsConfig), ("tracking", TrackingConfig),
-                        ("statsd", StatsdConfig), ("launcher", None), ("cluster", ClusterConfig)):
+                        ("statsd", StatsdConfig), ("checkpoint", CheckpointConfig), ("launcher", None),
+                        ("cluster", ClusterConfig)):
         if key not in cfg or OmegaConf.is_missing(cfg, key):
             continue
         data = cfg[key]
@@ -203,6 +204,7 @@ def _check_sections(data: dict, schema: type, prefix: str) -> None:
 #: The typed sections a plain ``KEY=VALUE`` override is checked against before Hydra (the launcher against the
 #: SLURM launcher's schema, the larger one: a SLURM key under the local launcher is :func:`check_keys`'s).
 _OVERRIDE_SCHEMAS = {"job": JobConfig, "paths": PathsConfig, "tracking": TrackingConfig, "statsd": StatsdConfig,
+                     "checkpoint": CheckpointConfig,
                      "launcher": SlurmLauncherConfig, "cluster": ClusterConfig}
 _KINDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
 

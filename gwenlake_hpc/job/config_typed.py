@@ -16,7 +16,7 @@ from typing import Any
 
 from ..base import rules
 from ..base.errors import ConfigError
-from .config import (LAUNCHERS, ClusterConfig, GwenlakeConfig, JobConfig, LauncherConfig, PathsConfig,
+from .config import (LAUNCHERS, CheckpointConfig, ClusterConfig, GwenlakeConfig, JobConfig, LauncherConfig, PathsConfig,
                      SlurmLauncherConfig, StatsdConfig, TrackingConfig)
 
 
@@ -41,7 +41,8 @@ def typed(cfg: Any) -> GwenlakeConfig:
     parts: dict[str, Any] = {}
     with _as_config_error():
         for key, schema in (("job", JobConfig), ("paths", PathsConfig), ("tracking", TrackingConfig),
-                            ("statsd", StatsdConfig), ("launcher", LauncherConfig), ("cluster", ClusterConfig)):
+                            ("statsd", StatsdConfig), ("checkpoint", CheckpointConfig), ("launcher", LauncherConfig),
+                            ("cluster", ClusterConfig)):
             if key not in node or OmegaConf.is_missing(node, key) or node[key] is None:
                 if key == "cluster":
                     continue
@@ -210,7 +211,7 @@ def launcher_node(lc: Any) -> Any:
     return copy.deepcopy(node) if node is lc else node
 
 
-_ROOT_KEYS = tuple(f"{f}." for f in ("job", "paths", "tracking", "statsd", "launcher", "cluster"))
+_ROOT_KEYS = tuple(f"{f}." for f in ("job", "paths", "tracking", "statsd", "checkpoint", "launcher", "cluster"))
 
 
 class _as_config_error:

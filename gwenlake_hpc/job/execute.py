@@ -269,7 +269,8 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     done = finished_with(info, p.steps, p.epochs)
     if done is not None:
         return _already_finished(p, done, d)
-    point = resume_point(p)  # job.resume=never, job.steps below the newest checkpoint
+    # job.resume=never, job.steps below the newest checkpoint, a newest checkpoint this node cannot see yet
+    point = resume_point(p, float(p.settings.checkpoint.visible_wait_s))
     if d.is_main:
         log.info("resume point: %s", point.why)
     past = ledgers.summarize(ledgers.read_ledger(p.run_dir))  # the earlier starts (before this one's file exists)

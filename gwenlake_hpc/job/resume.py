@@ -64,11 +64,13 @@ class ResumePoint:
     why: str
 
 
-def resume_point(p: JobPlan) -> ResumePoint:
+def resume_point(p: JobPlan, wait_s: float = 0.0) -> ResumePoint:
     """Decide where this start of ``p``'s run resumes (see the module docstring), before it trains or is
     submitted.
 
-    Reads ``<run_dir>/run.json`` and the checkpoints' manifests; writes nothing and hashes no file.
+    Reads ``<run_dir>/run.json`` and the checkpoints' manifests; writes nothing and hashes no file. ``wait_s``
+    (``checkpoint.visible_wait_s`` for a start that trains; 0 for a submission): how long to wait for a checkpoint
+    the run's pointer names but this node's listing does not show.
 
     Raises:
         ConfigError: ``job.resume=never`` with checkpoints of this run, or ``job.steps`` below the newest
@@ -78,8 +80,8 @@ def resume_point(p: JobPlan) -> ResumePoint:
     if done is not None:
         return ResumePoint(None, True, f"finished at step {done.get('final_step')} as version {done['version']}")
     folder = p.run_dir / "checkpoints"  # not created here: a refused or dry-run submission writes nothing
-    newest = resume_from(CheckpointStore(folder, p.key), p.resume, verify=False) if folder.is_dir() else \
-        resume_from_nothing(p.resume)
+    newest = resume_from(CheckpointStore(folder, p.key), p.resume, verify=False, wait_s=wait_s) \
+        if folder.is_dir() else resume_from_nothing(p.resume)
     if p.steps is not None and newest is not None and newest.step > p.steps:
         raise ConfigError(f"job.steps={p.steps} is below step {newest.step} of this run's newest checkpoint; "
                           f"use job.steps>={newest.step}, or a new run name (job.model=...)")

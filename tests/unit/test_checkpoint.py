@@ -55,7 +55,8 @@ def test_other_runs_and_unknown_dirs_are_never_read_or_deleted(tmp_path):
     removed = store.retain(2)
     assert [p.name for p in removed] == ["step-000000010", "step-000000020"]
     names = sorted(p.name for p in root.iterdir())
-    assert names == ["notes", "step-000000001", "step-000000005", "step-000000030", "step-000000040"]
+    assert names == ["LATEST.json", "notes", "step-000000001", "step-000000005", "step-000000030", "step-000000040"]
+    assert store.pointer()["name"] == "step-000000040" and other.pointer() is None  # the last seal's run key
     assert store.latest().step == 40
     assert other.latest().step == 5
 

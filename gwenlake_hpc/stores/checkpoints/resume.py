@@ -19,18 +19,20 @@ from .store import Checkpoint, CheckpointStore
 RESUME_CHOICES = ("auto", "never")
 
 
-def resume_from(store: CheckpointStore, resume: str, *, verify: bool) -> Checkpoint | None:
+def resume_from(store: CheckpointStore, resume: str, *, verify: bool, wait_s: float = 0.0) -> Checkpoint | None:
     """The checkpoint of ``store`` a start resumes from under ``job.resume=resume``, or None (from step 0).
 
     With ``verify`` the files are hashed (:meth:`CheckpointStore.latest`) and damaged checkpoints set aside;
-    without, only manifests are read and nothing is written.
+    without, only manifests are read and nothing is written. ``wait_s``: how long to wait for the checkpoint the
+    run's pointer names when this node's listing does not show it (:meth:`CheckpointStore.complete`).
 
     Raises:
         ConfigError: ``resume`` is ``never`` and the store holds checkpoints of this run, or ``resume`` is not
-            one of :data:`RESUME_CHOICES`.
+            one of :data:`RESUME_CHOICES`; :class:`~gwenlake_hpc.base.errors.CheckpointNotVisibleError` when the
+            pointer's checkpoint stays invisible for ``wait_s``.
     """
     resume_from_nothing(resume)
-    existing = store.complete() if store.root.is_dir() else []
+    existing = store.complete(wait_s) if store.root.is_dir() else []
     if resume == "never":
         if existing:
             raise ConfigError(f"job.resume=never but {store.root} already holds checkpoints of this run; nothing is "

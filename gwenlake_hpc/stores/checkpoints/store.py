@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from ...base.errors import CheckpointError, CheckpointFormatError, ConfigError
+from ...base.errors import CheckpointError, CheckpointFormatError, CheckpointNotVisibleError, ConfigError
 from ...base.fsutil import atomic_file, fsync_dir
 from ...base.lease import check_fence
 from .digest import DEFAULT_ALGORITHM, entry_digest, file_digest
@@ -56,6 +56,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("gwenlake_hpc.checkpoints")
 
 MANIFEST = "MANIFEST.json"
+#: The run's pointer to its newest sealed checkpoint (``checkpoints/LATEST.json``: step, name, the manifest's
+#: digest), rewritten atomically after each seal. Read by opening the file, it names a checkpoint that a node's
+#: cached directory listing may not show yet (NFS ``actimeo``, FUSE ``cache_timeout``).
+POINTER = "LATEST.json"
 PARTIAL_MARK = ".gwenlake-partial"
 RUN_STATE = "gwenlake-run-state.json"
 #: Per-rank state of a multi-task run (RNG, data position): ``gwenlake-ranks/rank-00001.json``.
@@ -425,6 +429,7 @@ class PendingCheckpoint:
         fsync_dir(self.store.root)
         # The mark goes only now: a kill before the rename leaves a partial that cleanup can still prove ours.
         (final / PARTIAL_MARK).unlink(missing_ok=True)
+        self.store.point_to(final)
         return Checkpoint(final, self.step, manifest)
 
     def commit(self, run_state: Mapping[str, Any]) -> Checkpoint:
@@ -482,14 +487,73 @@ class CheckpointStore:
         manifest = self._read_manifest(path)
         return Checkpoint(path, int(manifest["step"]), manifest) if manifest is not None else None
 
-    def complete(self) -> list[Checkpoint]:
-        """Checkpoints of this run with a readable manifest, oldest first (files not hashed; see latest)."""
+    def complete(self, wait_s: float = 0.0) -> list[Checkpoint]:
+        """Checkpoints of this run with a readable manifest, oldest first (files not hashed; see latest).
+
+        The directory listing is completed by the checkpoint the run's pointer (:data:`POINTER`) names, opened by
+        its path, when the listing does not show it (a cached listing on another node).
+
+        Args:
+            wait_s: seconds to wait for that checkpoint to become visible by its path (``checkpoint.visible_wait_s``);
+                0: take the listing as it is when it cannot be opened.
+
+        Raises:
+            CheckpointNotVisibleError: ``wait_s`` > 0 and the pointer's checkpoint still cannot be opened after it.
+        """
         found = []
         for p in self.root.iterdir() if self.root.is_dir() else ():
             manifest = self._read_manifest(p)
             if manifest is not None:
                 found.append(Checkpoint(p, int(manifest["step"]), manifest))
+        pointed = self._pointed(found, wait_s)
+        if pointed is not None:
+            found.append(pointed)
         return sorted(found, key=lambda c: c.step)
+
+    def pointer(self) -> dict[str, Any] | None:
+        """The run's pointer (``{"run_key", "step", "name", "manifest_digest"}``), read from the file's content, or
+        None (no pointer, an unreadable one, or one another run key wrote)."""
+        try:
+            ptr = json.loads((self.root / POINTER).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(ptr, dict) or ptr.get("run_key") != self.run_key or not isinstance(ptr.get("step"), int) or \
+                ptr.get("name") != f"step-{ptr['step']:09d}" or not isinstance(ptr.get("manifest_digest"), str):
+            return None
+        return ptr
+
+    def point_to(self, final: Path) -> None:
+        """Make the pointer name the sealed checkpoint ``final`` (after its rename; one atomic write)."""
+        step = int(_COMPLETE_RE.match(final.name).group(1))  # type: ignore[union-attr]
+        digest = file_digest(final / MANIFEST)
+        with atomic_file(self.root / POINTER, "w") as fh:
+            json.dump({"run_key": self.run_key, "step": step, "name": final.name, "manifest_digest": digest}, fh,
+                      sort_keys=True)
+
+    def _pointed(self, listed: list[Checkpoint], wait_s: float) -> Checkpoint | None:
+        """The pointer's checkpoint when newer than everything ``listed`` and openable by its path (waiting up to
+        ``wait_s`` for it), else None."""
+        ptr = self.pointer()
+        if ptr is None or any(c.step >= ptr["step"] for c in listed):
+            return None
+        deadline = time.monotonic() + max(0.0, float(wait_s))
+        while True:
+            ck = self.open(ptr["name"])
+            if ck is not None and file_digest(ck.path / MANIFEST) == ptr["manifest_digest"]:
+                log.info("checkpoint %s is not in this node's listing of %s yet; found by the run's pointer",
+                         ptr["name"], self.root)
+                return ck
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+        if wait_s > 0:
+            raise CheckpointNotVisibleError(
+                f"{self.root / POINTER} names checkpoint {ptr['name']} (step {ptr['step']}), which this node cannot "
+                f"open after {wait_s:g} s (checkpoint.visible_wait_s) although another start sealed it: its view "
+                "of the shared filesystem is stale (NFS attribute caching, actimeo; FUSE cache_timeout). Resuming "
+                "from an older checkpoint would lose those steps and fork the run: run the job again, or raise "
+                f"checkpoint.visible_wait_s. If that checkpoint was deleted by hand, delete {POINTER} too")
+        return None
 
     def verify(self, ck: Checkpoint, full: bool = False) -> str | None:
         """Check a checkpoint's files against its manifest. Returns None when intact, else what is wrong.
@@ -538,6 +602,9 @@ class CheckpointStore:
             return None
         aside = self.root / f".damaged-{path.name}-{uuid.uuid4().hex[:8]}"
         os.rename(path, aside)
+        ptr = self.pointer()
+        if ptr is not None and ptr["name"] == path.name:  # it names nothing now: the listing decides again
+            (self.root / POINTER).unlink(missing_ok=True)
         return aside
 
     def problem_of(self, path: Path) -> str | None:
