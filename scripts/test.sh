@@ -4,12 +4,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# Debian packages of the real-service tests: git-lfs (model weights), openssh-server (submission over SSH).
+# Debian packages of the real-service tests: git-lfs (model weights), openssh-server (submission over SSH), sshfs
+# (a network filesystem for the runs root).
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   missing=()
   command -v git-lfs >/dev/null || missing+=(git-lfs)
   [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
   command -v pgrep >/dev/null || missing+=(procps)
+  command -v sshfs >/dev/null || missing+=(sshfs)
   if [ ${#missing[@]} -gt 0 ]; then
     echo "installing ${missing[*]}"
     (apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1 ||

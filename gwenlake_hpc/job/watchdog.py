@@ -196,8 +196,11 @@ class Watchdog:
             proc.kill()
         faulthandler.unregister(DUMP_SIGNAL)
         self._dump.close()
-        if self.dump_path.exists() and self.dump_path.stat().st_size == 0:
-            self.dump_path.unlink()
+        try:  # a newer start's sweep may have removed it already (this start lost its run meanwhile)
+            if self.dump_path.stat().st_size == 0:
+                self.dump_path.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def heartbeat_name(run_key: str, rank: int) -> str:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ....base.errors import ConfigError
+from ....base.lease import read_holder
 from .session import MAX_METRICS_PER_BATCH, RunSession, http_settings
 from .spool import Entry, Point, SpoolReader, segment_paths, try_lock
 from ..sqlite import BrokenStoreError
@@ -126,6 +127,9 @@ class Deliverer:
         self.delivered = 0  # points stored, all sessions
         self.writer_closed = False
         self._warned_malformed = 0
+        #: False once the start this delivery serves lost its run (the delivery process's lease check): nothing
+        #: more is sent or removed. Always True for ``tracking sync``.
+        self.holds: Callable[[], bool] = lambda: True
 
     @property
     def run_id(self) -> str | None:
@@ -176,10 +180,14 @@ class Deliverer:
                 entries, end = self.reader.read(path, MAX_METRICS_PER_BATCH)
                 if end == start:
                     break
+                if not self.holds():  # read, then checked: the lease is newer than any segment of a newer start
+                    return session.delivered - before
                 self._send(session, entries)
                 self.reader.advance(path, end)
                 if should_stop():
                     return session.delivered - before
+            if not self.holds():  # flock is local to a node: a newer start's live segment looks finished here
+                return session.delivered - before
             self.reader.try_remove(path, self.writer_closed)
         if self.reader.malformed > self._warned_malformed:
             logger.warning("tracking: skipped %d malformed line(s) in the spool of %s",
@@ -254,6 +262,21 @@ class DeliveryProcess:
         self.monitor: Any = None
         self.after_attach = setup.get("after_attach")
         self.hook: threading.Thread | None = None
+        lease = setup.get("lease")  # the training's start holds its run by this lease: delivered only while it does
+        self.lease = (Path(lease["run_dir"]), str(lease["token"])) if lease else None
+        self.d.holds = lambda: not self.lost_lease()
+
+    def lost_lease(self) -> bool:
+        """True once the training's start no longer holds its run's lease (a newer start took the run): its
+        delivery must stop, the newer start's delivery process delivers the spool from then on."""
+        if self.lease is None:
+            return False
+        holder = read_holder(self.lease[0])
+        if holder is not None and holder.token == self.lease[1]:
+            return False
+        logger.error("tracking: the start of this delivery no longer holds run %s (a newer start took it); "
+                     "the delivery stops, the newer start's delivers the spool", self.lease[0])
+        return True
 
     # -- main loop ---------------------------------------------------------------------------
 
@@ -263,6 +286,9 @@ class DeliveryProcess:
         waited_lock = False
         while True:
             now = time.monotonic()
+            if self.lost_lease():
+                self.lock.release()
+                return
             locked = self.lock.try_acquire()
             if not locked:
                 if not waited_lock:
@@ -356,6 +382,8 @@ class DeliveryProcess:
         backoff = 0.25
         result = False
         while True:
+            if self.lost_lease():
+                break
             if self.lock.try_acquire():
                 try:
                     self._step()

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ....base.lease import current as current_lease
 from ....base.processes import shield_children
 from .session import http_env
 from .state import sync_hint
@@ -40,7 +41,8 @@ class DeliveryProcess:
 
     Args:
         setup: the first line the process reads: ``state_dir``, ``uri`` (with its password: it goes through
-            the pipe, never a file), ``flush_interval_s``, ``retry_max_s``, ``after_attach``; ``ppid`` is added.
+            the pipe, never a file), ``flush_interval_s``, ``retry_max_s``, ``after_attach``; ``ppid`` is added,
+            and ``lease`` (run directory and token) when this process holds its run's lease.
         on_attached: called as ``on_attached(run_id, marks)`` from the events thread when the process created
             or reattached to the MLflow run (``marks``: the highest step MLflow holds per metric key).
 
@@ -86,7 +88,9 @@ class DeliveryProcess:
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                         start_new_session=True)
             assert proc.stdin is not None
-            proc.stdin.write((json.dumps({**self._setup, "ppid": os.getpid()}) + "\n").encode())
+            lease = current_lease()  # the delivery of a start that loses its run stops delivering (it checks)
+            fence = {"lease": {"run_dir": str(lease.run_dir), "token": lease.token}} if lease is not None else {}
+            proc.stdin.write((json.dumps({**self._setup, **fence, "ppid": os.getpid()}) + "\n").encode())
             proc.stdin.flush()
         except OSError as exc:
             logger.warning("tracking: cannot start the delivery process (%s); points are kept in %s; `%s` "
