@@ -12,9 +12,10 @@ def snapshot(root):
     """sha256 of every file under runs/ and the model branch: what must survive a bad command."""
     out = {}
     for p in sorted((root / "runs").rglob("*")):
-        # run.json and the goodput ledger (ledger/start-*.jsonl) record each start; checkpoints and outputs are
-        # what must not change
-        if p.is_file() and p.name not in ("mlflow.db", "run.json", ".lock", ".fence") and p.parent.name != "ledger":
+        # run.json and the goodput ledger (ledger/start-*.jsonl) record each start, the lock, lease and fence
+        # counter each start's hold of the run; checkpoints and outputs are what must not change
+        if p.is_file() and p.name not in ("mlflow.db", "run.json", ".lock", ".fence", ".lease") \
+                and p.parent.name != "ledger":
             out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
 

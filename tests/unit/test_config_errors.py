@@ -20,7 +20,7 @@ def snapshot(root):
     """sha256 of every file under runs/ (run.json included: a refused job records no start; the lock and the fence
     counter, which a start refused after taking the run moves, excluded)."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted((root / "runs").rglob("*")) if p.is_file() and p.name not in ("mlflow.db", ".lock", ".fence")}
+            for p in sorted((root / "runs").rglob("*")) if p.is_file() and p.name not in ("mlflow.db", ".lock", ".fence", ".lease")}
 
 
 #: conf/cluster/NAME.yaml files as users write them: the README's keys, most without the defaults list that names
