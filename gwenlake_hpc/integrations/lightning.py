@@ -40,6 +40,7 @@ its own: checkpoints outside the run's store; the default one is removed) and th
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import traceback
@@ -50,6 +51,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger
+from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
+from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from ..base.errors import ConfigError, recognise_config_errors
 from .loop import DrivenLoop
@@ -106,6 +109,37 @@ class GwenlakeCallback(Callback):
         self.run, self.keep = run, keep
         self.loop: DrivenLoop | None = None
         self._last_step = -1
+        self._loader_states: list[Any] = []  # the train loaders' states of the checkpoint resumed from
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        fit_state = ((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("state_dict") or {}
+        # a copy: loading a state may change it in place, and Lightning loads these before _reload_loaders
+        self._loader_states = copy.deepcopy(list(fit_state.get("combined_loader") or []))
+
+    @staticmethod
+    def _epoch_of(trainer: pl.Trainer) -> int:
+        return int(trainer.fit_loop.epoch_progress.current.processed)  # the value Lightning gives set_epoch
+
+    def _reload_loaders(self, trainer: pl.Trainer) -> None:
+        """Load the resumed checkpoint's loader states again, after the samplers' ``set_epoch``, and make the
+        Trainer's iterator anew. Lightning's ``FitLoop.setup_data`` loads them and builds the iterator (a
+        ``StatefulDataLoader`` fast-forwards its sampler there) before ``on_advance_start`` calls ``set_epoch``:
+        a run resumed after its first epoch would go on in epoch 0's order (found by the adversarial pass of
+        issue 26: other weights than the uninterrupted run)."""
+        states, self._loader_states = self._loader_states, []
+        fit_loop = trainer.fit_loop
+        epoch = self._epoch_of(trainer)
+        if not states or fit_loop._combined_loader is None or fit_loop._data_fetcher is None or epoch == 0:
+            return
+        reloaded = False
+        for loader, state in zip(fit_loop._combined_loader.flattened, states):
+            if state and callable(getattr(loader, "load_state_dict", None)):
+                _set_sampler_epoch(loader, epoch)
+                loader.load_state_dict(state)
+                reloaded = True
+        if reloaded:
+            iter(fit_loop._data_fetcher)  # nothing fetched yet: the fetcher starts on the reloaded iterator
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step != self.run.start_step:
@@ -115,6 +149,7 @@ class GwenlakeCallback(Callback):
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
         self.loop = DrivenLoop(self.run, int(total), "the Lightning Trainer")
         self._last_step = trainer.global_step
+        self._reload_loaders(trainer)
         if not self.loop.advance():
             trainer.should_stop = True
 
@@ -125,10 +160,28 @@ class GwenlakeCallback(Callback):
         self._last_step = trainer.global_step
         self.loop.check_step(trainer.global_step)
         if self.run.at_eval:
+            self._log_step(trainer)
             with self.run.checkpoint(keep=self.keep) as ck:
                 trainer.save_checkpoint(ck.path(CHECKPOINT_FILE))
         if not self.loop.advance():
             trainer.should_stop = True
+
+    @staticmethod
+    def _log_step(trainer: pl.Trainer) -> None:
+        """Log this step's ``self.log`` values now, into the job's run, before the step's checkpoint: Lightning
+        logs them only after this hook, so a kill after the seal would lose the point of the step resumed from
+        (the Run makes the spool durable before it seals). Lightning's own log of the step right after is the
+        same step, which the tracker drops (one point per step); the user's other loggers get it from Lightning
+        alone, once."""
+        conn = trainer._logger_connector
+        if trainer.fit_loop._should_accumulate() or not conn.should_update_logs:
+            return  # Lightning logs nothing at this step either
+        metrics = convert_tensors_to_scalars(conn.metrics["log"])
+        if metrics:
+            metrics.setdefault("epoch", trainer.current_epoch)
+            for logger in trainer.loggers:
+                if isinstance(logger, GwenlakeLogger):
+                    logger.log_metrics(metrics)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.loop is not None:

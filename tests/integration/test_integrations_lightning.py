@@ -18,8 +18,9 @@ from helpers.integrations import (checkpoints, history, make_framework_project, 
 pytestmark = pytest.mark.slow
 
 MODEL = "crm.churn-lightning"
-# 60 steps of 128 customers: epoch 0 is steps 1..45 (5,634 customers), the eviction is in it, the kill in epoch 1
-JOB = "target: lightning_hooks:fit\nsteps: 60\neval_every: 20\nseed: 0\n"
+# The adversarial pass's job (job.steps=200, job.eval_every=10) on the churn data: 128 customers a step, epoch 0 is
+# steps 1..45 (5,634 customers), epoch 1 46..90, epoch 2 91..135: the resumes are in epochs 0, 1 and 2
+JOB = "target: lightning_hooks:fit\nsteps: 200\neval_every: 10\nseed: 0\n"
 WEIGHTS = "crm/churn-lightning/model.safetensors"
 
 
@@ -27,7 +28,7 @@ def _project(root):
     return make_framework_project(root, "lightning_hooks.py", "pl_t", JOB)
 
 
-def test_sigterm_then_sigkill_in_the_checkpoint_write_resume_to_the_uninterrupted_weights(tmp_path):
+def test_sigterm_and_sigkills_resume_to_the_uninterrupted_weights_and_points(tmp_path):
     # The Trainer as users write it, with an MLFlowLogger of its own and SLURMEnvironment(auto_requeue=True)
     env = {"GWL_TEST_PL": json.dumps({"logger": "mlflow", "slurm_requeue": True})}
     straight = _project(tmp_path / "straight")
@@ -42,31 +43,39 @@ def test_sigterm_then_sigkill_in_the_checkpoint_write_resume_to_the_uninterrupte
     assert "SLURMEnvironment(auto_requeue=True)" in out  # the warning that Lightning's requeue is off
     assert checkpoints(p, MODEL) == ["step-000000020", "step-000000026"]
 
-    # SIGKILL with half of step 40's lightning.ckpt written: never sealed, never resumed from
-    second = p.run("+job=pl_t", env={**env, "GWL_TEST_SIGKILL_IN_SAVE": "40"}, check=-signal.SIGKILL)
+    # SIGKILL as step 51 begins, step 50's (synchronous) checkpoint sealed: the point of step 50, which Lightning
+    # logs after the hook that checkpoints, must be in the spool already (the adversarial pass lost it)
+    second = p.run("+job=pl_t", env={**env, "GWL_TEST_SIGKILL_AT": "51", "GWENLAKE_CHECKPOINT_ASYNC": "0"},
+                   check=-signal.SIGKILL)
     assert "resuming from step 26" in second.stdout + second.stderr, second.stderr
-    assert checkpoints(p, MODEL) == ["step-000000020", "step-000000026"]
+    assert checkpoints(p, MODEL) == ["step-000000040", "step-000000050"]
+
+    # resumed in epoch 1 (the pass's input: every resume past the first epoch gave other weights), then a SIGKILL
+    # with half of step 120's lightning.ckpt written: never sealed, never resumed from
+    third = p.run("+job=pl_t", env={**env, "GWL_TEST_SIGKILL_IN_SAVE": "120"}, check=-signal.SIGKILL)
+    assert "resuming from step 50" in third.stdout + third.stderr, third.stderr
+    assert checkpoints(p, MODEL) == ["step-000000100", "step-000000110"]
 
     last = p.run("+job=pl_t", env=env, check=0)
     out = last.stdout + last.stderr
-    assert "resuming from step 26" in out and "not resumable" not in out, out
-    assert checkpoints(p, MODEL) == ["step-000000040", "step-000000060"]
+    assert "resuming from step 110" in out and "not resumable" not in out, out
+    assert checkpoints(p, MODEL) == ["step-000000190", "step-000000200"]
     v = version_line(last, MODEL)
 
-    # Lightning restores the loader's position (StatefulDataLoader), the Run the RNG (dropout), the example's
-    # sampler each epoch's order: the same weights, bit for bit
+    # Lightning restores the loader's position (StatefulDataLoader; the sampler's epoch set before it, by the
+    # callback), the Run the RNG (dropout), the example's sampler each epoch's order: the same weights, bit for bit
     a, b = weights(straight, v_straight, WEIGHTS), weights(p, v, WEIGHTS)
     assert sorted(a) == sorted(b) and a
     for name in a:
         assert (a[name] == b[name]).all(), name
 
     # the MLFlowLogger's points land in the job's run: one run, no experiment "mine", no ./mlruns; `loss` one
-    # point per step 1..60 (27..39 were logged twice), the uninterrupted run's values
+    # point per step 1..200 (those after each resume point were logged twice), the uninterrupted run's values
     client, _ = the_run(p, MODEL)
     assert sorted(e.name for e in client.search_experiments()) == ["Default", MODEL]
     assert not (p.root / "mlruns").exists() and not (p.root / "lightning_logs").exists()
     losses = history(p, MODEL, "loss")
-    assert sorted(losses) == list(range(1, 61))
+    assert sorted(losses) == list(range(1, 201))
     assert losses == history(straight, MODEL, "loss")
 
     # the version loads into a module built alike, and scores as the training reported

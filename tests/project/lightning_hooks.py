@@ -1,6 +1,8 @@
 """examples/lightning_churn.py's training with the tests' hooks (real signals, sent by the process to itself):
 
   GWL_TEST_SIGTERM_AT=k      SIGTERM during step k (from the Trainer's on_train_batch_start)
+  GWL_TEST_SIGKILL_AT=k      SIGKILL as step k begins (on_train_batch_start: steps up to k-1 done, their
+                             checkpoints sealed where the checkpoint is synchronous)
   GWL_TEST_SIGKILL_IN_SAVE=k SIGKILL in the middle of step k's ``trainer.save_checkpoint``: half the file written,
                              the block not sealed
   GWL_TEST_PL=json           extras: {"logger": "mlflow" | "wandb"}, {"slurm_requeue": true},
@@ -25,10 +27,12 @@ from gwenlake_hpc.integrations.lightning import fit_trainer, save_model
 
 
 class _Signals(L.Callback):
-    def __init__(self, sigterm_at: int):
-        self.sigterm_at = sigterm_at
+    def __init__(self, sigterm_at: int, sigkill_at: int):
+        self.sigterm_at, self.sigkill_at = sigterm_at, sigkill_at
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step + 1 == self.sigkill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
         if trainer.global_step + 1 == self.sigterm_at:
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -59,7 +63,8 @@ def _trainer(config: LightningChurnParams, extras: dict) -> L.Trainer:
     if extras.get("slurm_requeue"):
         from lightning.pytorch.plugins.environments import SLURMEnvironment
         kwargs["plugins"] = [SLURMEnvironment(auto_requeue=True)]
-    callbacks = [_Signals(int(os.environ.get("GWL_TEST_SIGTERM_AT", "-1")))]
+    callbacks = [_Signals(int(os.environ.get("GWL_TEST_SIGTERM_AT", "-1")),
+                          int(os.environ.get("GWL_TEST_SIGKILL_AT", "-1")))]
     if "model_checkpoint" in extras:
         from lightning.pytorch.callbacks import ModelCheckpoint
         callbacks.append(ModelCheckpoint(**extras["model_checkpoint"]))
