@@ -267,15 +267,20 @@ class Run:
             return
         if self._on_loop_start is not None:
             self._on_loop_start(self.start_step + 1)
+        # the loop's objects and bound methods are read once, not at each step (a framework's step may be ~1 ms:
+        # gwenlake_hpc.integrations turn this loop once per step of the framework)
         times, metrics, checkpoints, progress = self._times, self._metrics, self._checkpoints, self._progress
-        writer, step = checkpoints.writer, self.start_step  # the loop's objects are read once, not at each step
+        writer, step, stop = checkpoints.writer, self.start_step, self._stop
+        raise_if_failed, check_handlers, update = writer.raise_if_failed, stop.check_handlers, progress.update
+        agree = self._agree_on_stop if self.dist.enabled else None  # else: this process's own stop request
         beat, first = (self._heartbeat.beat if self._heartbeat is not None else None), self.start_step + 1
         ledger, auto, every = self._ledger, self._auto, self.eval_every if self._auto is None else 0
+        speeds = self._speeds
         try:
             while step < total:
-                writer.raise_if_failed()  # a failed background write fails the run at the next step
-                self._stop.check_handlers()  # a library's own SIGTERM handler must not swallow an eviction
-                final = self._agree_on_stop()
+                raise_if_failed()  # a failed background write fails the run at the next step
+                check_handlers()  # a library's own SIGTERM handler must not swallow an eviction
+                final = agree() if agree is not None else stop.requested
                 if final and step > self.start_step and checkpoints.last_step == step:
                     self.evicted = True  # the step just done wrote its checkpoint: end here
                     break
@@ -301,15 +306,15 @@ class Run:
                                      checkpoints.last_step == step, t_end)
                 if auto is not None and not final and step != total:
                     auto.observe(step, t_end - t_input, at_eval)
-                if step == self.start_step + 1 and self.checkpoint_async:
+                if step == first and self.checkpoint_async:
                     checkpoints.reserve_ahead()  # the first checkpoint's host buffers, off the loop
                 if times.logged_step != step:  # else logged at its checkpoint, this step counted there
                     times.steps_timed += 1
                     if self.at_eval:
                         metrics.log_times(step)
-                if at_eval and self._speeds is not None and not final:
-                    self._speeds.compare(step, metrics.last_times)  # every rank: a gather
-                progress.update(step)
+                if at_eval and speeds is not None and not final:
+                    speeds.compare(step, metrics.last_times)  # every rank: a gather
+                update(step)
                 if final:
                     self._stopped_after(step)
                     break

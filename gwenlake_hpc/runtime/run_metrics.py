@@ -78,12 +78,16 @@ class RunMetrics:
         if tags:  # the plain path (every step, no tags) does no naming work
             series_of, tag_step = self._tagged_names(metrics, tags)
             values = {series_of[k]: float(v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
-        else:
-            values = {k: float(v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
+        else:  # a Python float as it is (float() of one is itself): no failed hasattr for a framework's logs
+            values = {k: v if type(v) is float else float(v.item() if hasattr(v, "item") else v)
+                      for k, v in metrics.items()}
         step = int(step) if step is not None else tag_step if tag_step is not None else current_step
-        for k, v in values.items():
-            if not math.isfinite(v):
-                self._non_finite(k, v, step)
+        # one test when all are finite: a NaN or infinite value makes the sum so (finite values whose sum
+        # overflows are then each tested, and pass)
+        if not math.isfinite(sum(values.values())):
+            for k, v in values.items():
+                if not math.isfinite(v):
+                    self._non_finite(k, v, step)
         self.values.update(values)
         if self.progress is not None and "loss" in values:
             self.progress.loss = values["loss"]

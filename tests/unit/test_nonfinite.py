@@ -39,6 +39,17 @@ def test_warn_setting_goes_on(tmp_path, caplog):
     assert sum("'loss' is inf at step 6" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_finite_values_whose_sum_overflows_pass_and_opposite_infinities_are_each_reported(tmp_path, caplog):
+    run = make_run(tmp_path, on_nonfinite="warn")
+    caplog.set_level(logging.WARNING)
+    run.log({"a": 1e308, "b": 1e308, "loss": 1.0}, step=1)  # finite, though their sum is not: no warning
+    assert not [r for r in caplog.records if "is inf" in r.getMessage() or "is nan" in r.getMessage()]
+    run.log({"up": float("inf"), "down": float("-inf"), "loss": 1.0}, step=2)  # their sum is NaN: both named
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("'up' is inf" in m for m in messages) == 1 and sum("'down' is -inf" in m for m in messages) == 1
+    assert run.summary()["a"] == 1e308
+
+
 def test_finite_json():
     doc = finite_json({"a": float("nan"), "b": [1.0, float("-inf")], "c": {"d": float("inf")}, "e": 2})
     assert json.loads(json.dumps(doc, allow_nan=False)) == {"a": "nan", "b": [1.0, "-inf"], "c": {"d": "inf"}, "e": 2}
