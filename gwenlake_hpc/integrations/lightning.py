@@ -105,6 +105,13 @@ class GwenlakeCallback(Callback):
         keep: complete checkpoints kept (``run.checkpoint(keep=)``); None keeps all.
     """
 
+    # The hooks Lightning calls at every batch that this callback has no use for. Lightning's dispatcher
+    # (``lightning.pytorch.trainer.call._call_callback_hooks``) calls a callback's hook only where it is callable:
+    # None spares each of them a profiler context, a formatted name and a call (~2 us a hook, five a step, on
+    # steps of ~1 ms).
+    on_train_batch_start = on_before_backward = on_after_backward = None  # type: ignore[assignment]
+    on_before_optimizer_step = on_before_zero_grad = None  # type: ignore[assignment]
+
     def __init__(self, run: Any, keep: int | None = None):
         self.run, self.keep = run, keep
         self.loop: DrivenLoop | None = None
@@ -155,15 +162,18 @@ class GwenlakeCallback(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if trainer.global_step == self._last_step:
+        step = trainer.global_step  # a chain of properties in Lightning: read once a batch
+        if step == self._last_step:
             return  # a batch of gradient accumulation: no optimizer step yet
-        self._last_step = trainer.global_step
-        self.loop.check_step(trainer.global_step)
-        if self.run.at_eval:
+        self._last_step = step
+        run, loop = self.run, self.loop
+        if step != run.step:
+            loop.check_step(step)
+        if run.at_eval:
             self._log_step(trainer)
-            with self.run.checkpoint(keep=self.keep) as ck:
+            with run.checkpoint(keep=self.keep) as ck:
                 trainer.save_checkpoint(ck.path(CHECKPOINT_FILE))
-        if not self.loop.advance():
+        if not loop.advance():
             trainer.should_stop = True
 
     @staticmethod

@@ -72,23 +72,28 @@ class GwenlakeCallback(TrainerCallback):
         self.loop: DrivenLoop | None = None
         self._saved_step = -1
         self._save_requested = False
+        self._epoch_saves = False  # save_strategy="epoch": a step that ends an epoch saves (read once, at the start)
 
     # -- the step boundary -------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
         if state.global_step != self.run.start_step:
             raise RuntimeError(f"the Trainer starts at step {state.global_step} and the Run at {self.run.start_step}: "
                                "pass resume_from_checkpoint=run.resume_path (run_trainer does)")
+        self._epoch_saves = _save_strategy(args) == "epoch"
         self.loop = DrivenLoop(self.run, state.max_steps, "the Hugging Face Trainer")
         if not self.loop.advance():
             control.should_training_stop = True
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.loop.check_step(state.global_step)
-        if self.run.at_eval or control.should_save or (_epoch_ends(state) and _save_strategy(args) == "epoch"):
+        # called at every optimizer step: the common case (no checkpoint) is a comparison and one turn of the loop
+        run, loop = self.run, self.loop
+        if state.global_step != run.step:
+            loop.check_step(state.global_step)
+        if run.at_eval or control.should_save or (self._epoch_saves and _epoch_ends(state)):
             control.should_save = self._save_requested = True  # on_save then seals it and ends the step
-        else:
-            self._end_step(control)
+        elif not loop.advance():
+            control.should_training_stop = True
         return control
 
     def on_save(self, args, state, control, **kwargs):
@@ -106,9 +111,10 @@ class GwenlakeCallback(TrainerCallback):
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or _SUMMARY_KEYS & set(logs):
+        if not logs or not _SUMMARY_KEYS.isdisjoint(logs):
             return control
-        values = {k: float(v) for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        values = {k: float(v) for k, v in logs.items()
+                  if type(v) is float or (isinstance(v, (int, float)) and not isinstance(v, bool))}
         if values:
             self.run.log(values, step=state.global_step)
         return control

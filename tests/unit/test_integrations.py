@@ -83,3 +83,40 @@ def test_hf_argument_checks_name_the_setting():
                       ({"save_total_limit": 3}, "save_total_limit=3"), ({"push_to_hub": True}, "push_to_hub")]:
         with pytest.raises(ConfigError, match=named):
             _check_arguments(args(**kw), keep=2)
+
+
+def test_lightning_skips_the_callbacks_unused_batch_hooks_and_each_step_is_a_run_step(tmp_path):
+    """The hooks GwenlakeCallback leaves None are skipped by Lightning's dispatcher (a cost of every batch
+    spared); a short fit still turns the Run once a step, one point a step, and checks the step counter."""
+    L = pytest.importorskip("lightning")
+    import torch
+
+    from gwenlake_hpc.integrations.lightning import GwenlakeCallback, fit_trainer
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.layer(batch[0]).pow(2).mean()
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    for hook in ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+                 "on_before_zero_grad"):
+        assert getattr(GwenlakeCallback, hook) is None
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", devices=1, log_every_n_steps=1, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path / "lt"))
+    run = _run(tmp_path, steps=6)
+    logged = []
+    real_log = run.log
+    run.log = lambda values, step=None, tags=None: (logged.append((step, sorted(values))), real_log(values, step, tags))
+    fit_trainer(trainer, Tiny(), run, train_dataloaders=loader)
+    assert run.step == 6 and trainer.global_step == 6 and not run.evicted
+    assert [s for s, _ in logged] == [1, 2, 3, 4, 5, 6] and all("loss" in keys for _, keys in logged)
