@@ -26,6 +26,15 @@ log = logging.getLogger("gwenlake_hpc.signals")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
 
 
+# signal.getsignal without its conversion of the handler into a ``signal.Handlers`` member, which raises and
+# catches a ValueError for any handler that is a function (~1.7 us a signal): the check between two steps
+# reads the handlers with it, and with signal.getsignal only one that is not ours.
+try:
+    from _signal import getsignal as _getsignal  # the C function signal.getsignal wraps (CPython)
+except ImportError:  # pragma: no cover - another interpreter
+    _getsignal = signal.getsignal
+
+
 class StopInterrupt(BaseException):
     """Raised by a stop signal inside :meth:`StopRequest.interrupting` (a BaseException: ``except Exception`` in
     user code does not swallow it)."""
@@ -123,9 +132,10 @@ class StopRequest:
             return []
         fixed = []
         for s, ours in self._ours.items():
-            current = signal.getsignal(s)
+            current = _getsignal(s)
             if current is ours or current == ours:
                 continue
+            current = signal.getsignal(s)
             chained = _Chained(self._handle, current)
             signal.signal(s, chained)
             self._ours[s] = chained

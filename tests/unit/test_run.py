@@ -467,3 +467,26 @@ def test_a_finished_run_frees_its_checkpoint_buffers_without_a_gc_pass(tmp_path)
         assert buffers() is None
     finally:
         gc.enable()
+
+
+def test_check_handlers_puts_ours_back_chained_and_names_what_replaced_it(caplog):
+    import signal
+
+    from gwenlake_hpc.runtime.signals import StopRequest
+
+    stop = StopRequest()
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop.install()
+    try:
+        assert stop.check_handlers() == []  # ours everywhere: nothing to do (the check of every step)
+        theirs = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: theirs.append(signum))
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        assert stop.check_handlers() == ["SIGTERM", "SIGINT"]
+        assert stop.check_handlers() == []  # the chained handlers count as ours
+        assert any("SIGINT was replaced (by ignore)" in r.getMessage() for r in caplog.records)
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # ours records the stop, then theirs runs
+        assert stop.requested and stop.reason == "SIGTERM" and theirs == [signal.SIGTERM]
+    finally:
+        stop.uninstall()
+    assert {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} == before
