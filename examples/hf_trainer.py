@@ -16,7 +16,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from gwenlake_hpc import Output, train
-from gwenlake_hpc.integrations.transformers import run_trainer, save_model
+from gwenlake_hpc.integrations.transformers import SCRATCH, run_trainer, save_model
 
 VOCAB = 256  # one byte a token
 
@@ -66,9 +66,11 @@ def make_trainer(run, config: LMParams, **arguments) -> Trainer:
     """The Trainer of this example: seeded by the run (``job.seed``), logging every step, no checkpoints of its
     own (``run_trainer`` writes them into the run's store); ``arguments`` override its ``TrainingArguments``."""
     torch.manual_seed(run.seed)
-    args = TrainingArguments(**{"output_dir": "unused", "per_device_train_batch_size": config.batch_size,
-                                "learning_rate": config.lr, "logging_steps": 1, "save_strategy": "no",
-                                "report_to": "none", "seed": run.seed, "use_cpu": not torch.cuda.is_available(),
+    # output_dir: run_trainer's scratch folder in the run directory (a folder of the working directory would stay
+    # there when a setting is refused)
+    args = TrainingArguments(**{"output_dir": str(run.run_dir / SCRATCH),
+                                "per_device_train_batch_size": config.batch_size, "learning_rate": config.lr,
+                                "logging_steps": 1, "save_strategy": "no", "report_to": "none", "seed": run.seed, "use_cpu": not torch.cuda.is_available(),
                                 "dataloader_num_workers": 0, "disable_tqdm": True, **arguments})
     return Trainer(model=make_model(config), args=args,
                    train_dataset=ByteSequences(make_text(config.sequences, run.seed), config.context),

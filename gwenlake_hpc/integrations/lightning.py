@@ -208,6 +208,14 @@ def _own_checkpointing(cb: ModelCheckpoint) -> bool:
                 or cb._train_time_interval or (cb._every_n_epochs not in (0, 1)))
 
 
+def _is_default_logger(trainer: pl.Trainer, logger: Logger) -> bool:
+    """The logger Lightning adds when none is given: a TensorBoard or CSV logger named ``lightning_logs`` in the
+    Trainer's ``default_root_dir``. One the user made with a folder of their own is theirs, and kept."""
+    if not isinstance(logger, (CSVLogger, TensorBoardLogger)) or logger.name != "lightning_logs":
+        return False
+    return os.path.abspath(str(logger.save_dir or "")) == os.path.abspath(str(trainer.default_root_dir))
+
+
 def _prepare(trainer: pl.Trainer, run: Any, keep: int | None) -> GwenlakeCallback:
     """Refuse or replace what would work against the run's store, tracking or signals; add the callback and the
     logger (see the module's docstring).
@@ -230,7 +238,7 @@ def _prepare(trainer: pl.Trainer, run: Any, keep: int | None) -> GwenlakeCallbac
                               "requeue; leave logger unset or pass an MLFlowLogger (both go to the job's MLflow run)")
         if isinstance(logger, MLFlowLogger):
             log.info("the Trainer's MLFlowLogger is replaced by the job's MLflow run (one run across restarts)")
-        elif isinstance(logger, (CSVLogger, TensorBoardLogger)) and logger.name == "lightning_logs":
+        elif _is_default_logger(trainer, logger):
             pass  # Lightning's default logger
         else:
             loggers.append(logger)
@@ -249,13 +257,20 @@ def _prepare(trainer: pl.Trainer, run: Any, keep: int | None) -> GwenlakeCallbac
 
 
 def _logger_refusal(exc: BaseException) -> ConfigError | None:
-    """A logger of another tracker failing in its constructor (``WandbLogger`` where wandb is not installed raises
-    ModuleNotFoundError from ``lightning/pytorch/loggers/``): the same refusal as :func:`_prepare`'s, exit 2
-    instead of a traceback."""
+    """A logger failing in its constructor: one of another tracker (``WandbLogger`` where wandb is not installed
+    raises ModuleNotFoundError from ``lightning/pytorch/loggers/``), the same refusal as :func:`_prepare`'s; or an
+    ``MLFlowLogger`` that cannot open its store (``MLFlowLogger()`` falls back to ``./mlruns``, which MLflow
+    refuses). Exit 2 with the fix instead of a traceback."""
     frames = traceback.extract_tb(exc.__traceback__)
+    where = [f.filename.replace(os.sep, "/") for f in frames]
+    if any(w.endswith("/lightning/pytorch/loggers/mlflow.py") for w in where):
+        # MLFlowLogger() takes its tracking_uri from MLFLOW_TRACKING_URI as Lightning was imported, else ./mlruns
+        return ConfigError(f"lightning.Trainer(logger=MLFlowLogger(...)): the logger could not open its tracking "
+                           f"store ({type(exc).__name__}: {str(exc)[:200]}); leave logger unset, or build it as "
+                           "MLFlowLogger(tracking_uri=mlflow.get_tracking_uri()): self.log goes to the job's MLflow "
+                           "run either way")
     if not frames or not isinstance(exc, ImportError):
         return None
-    where = [f.filename.replace(os.sep, "/") for f in frames]
     if not any("/lightning/pytorch/loggers/" in w for w in where):
         return None
     return ConfigError(f"lightning.Trainer(logger=...): its logger could not start ({exc}); leave logger unset or "

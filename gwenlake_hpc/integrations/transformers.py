@@ -204,6 +204,22 @@ def _tracker_refusal(exc: BaseException) -> ConfigError | None:
 recognise_config_errors(_tracker_refusal)
 
 
+def _hub_refusal(exc: BaseException) -> ConfigError | None:
+    """The Trainer's constructor failing to reach the Hugging Face Hub for ``push_to_hub=True`` (it creates the
+    Hub repository in ``Trainer.__init__``, before :func:`run_trainer` can refuse the setting): exit 2 with the
+    setting named instead of the Hub client's traceback."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not any(f.name == "init_hf_repo" and f.filename.replace(os.sep, "/").endswith("/transformers/trainer.py")
+               for f in frames):
+        return None
+    return ConfigError(f"TrainingArguments(push_to_hub=True): the Trainer could not reach the Hugging Face Hub "
+                       f"({type(exc).__name__}: {exc}); set push_to_hub=False: the job commits the model as its "
+                       "version (save_model), and a push from each start would race the requeues")
+
+
+recognise_config_errors(_hub_refusal)
+
+
 def run_trainer(trainer: Any, run: Any, *, keep: int | None = None) -> Any:
     """Train ``trainer`` (a ``transformers.Trainer``) as this job's loop, from the run's newest checkpoint.
 

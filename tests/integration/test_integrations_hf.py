@@ -94,6 +94,8 @@ def test_sigterm_then_sigkill_in_the_checkpoint_write_resume_to_the_uninterrupte
     ({"report_to": "wandb"}, "report_to"),  # wandb is not installed here: the Trainer's constructor raises
     ({"save_total_limit": 3}, "save_total_limit=3"),  # run_trainer's keep=2
     ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"}, "load_best_model_at_end"),
+    # the adversarial pass's input: the Trainer's constructor contacts the Hub (no network here) before run_trainer
+    ({"push_to_hub": True}, "push_to_hub=True"),
 ])
 def test_settings_that_cannot_work_exit_2_naming_the_setting(tmp_path, arguments, named):
     p = _project(tmp_path / "p")

@@ -94,6 +94,8 @@ def test_sigterm_and_sigkills_resume_to_the_uninterrupted_weights_and_points(tmp
 @pytest.mark.parametrize("extras, named", [
     ({"logger": "wandb"}, "logger"),  # wandb is not installed here: WandbLogger's constructor raises
     ({"model_checkpoint": {"dirpath": "mine", "every_n_train_steps": 5}}, "ModelCheckpoint"),
+    # the adversarial pass's input: MLFlowLogger() without a tracking_uri fails in its own constructor
+    ({"logger": "mlflow_default"}, "MLFlowLogger(tracking_uri=mlflow.get_tracking_uri())"),
 ])
 def test_settings_that_cannot_work_exit_2_naming_the_setting(tmp_path, extras, named):
     p = _project(tmp_path / "p")
@@ -101,3 +103,17 @@ def test_settings_that_cannot_work_exit_2_naming_the_setting(tmp_path, extras, n
     out = proc.stdout + proc.stderr
     assert named in out and "Traceback" not in out, out
     assert not list((p.root / "runs" / MODEL).glob("*/checkpoints/step-*")) and not (p.root / "mine").exists()
+
+
+def test_a_csv_logger_of_the_users_is_kept_beside_the_jobs_run(tmp_path):
+    """The adversarial pass's input: a CSVLogger of the user's own folder was dropped silently with Lightning's
+    default logger; it is kept, and the job's run gets the points as well."""
+    p = _project(tmp_path / "p")
+    csv_dir = tmp_path / "csvlogs"
+    p.run("+job=pl_t", "job.steps=30", env={"GWL_TEST_PL": json.dumps({"logger": "csv", "csv_dir": str(csv_dir)})},
+          check=0)
+    (metrics,) = csv_dir.rglob("metrics.csv")
+    rows = metrics.read_text().splitlines()
+    assert "loss" in rows[0].split(","), rows[0]
+    assert len(rows) - 1 == 30  # one row a step, from Lightning alone (the early log of a checkpoint step is ours)
+    assert sorted(history(p, MODEL, "loss")) == list(range(1, 31))

@@ -5,7 +5,8 @@
                              checkpoints sealed where the checkpoint is synchronous)
   GWL_TEST_SIGKILL_IN_SAVE=k SIGKILL in the middle of step k's ``trainer.save_checkpoint``: half the file written,
                              the block not sealed
-  GWL_TEST_PL=json           extras: {"logger": "mlflow" | "wandb"}, {"slurm_requeue": true},
+  GWL_TEST_PL=json           extras: {"logger": "mlflow" | "mlflow_default" | "wandb" | "csv", "csv_dir": path},
+                             {"slurm_requeue": true},
                              {"model_checkpoint": {...ModelCheckpoint kwargs}}
 
 Job config: conf/job/pl_t.yaml (written by tests/integration/test_integrations_lightning.py).
@@ -57,6 +58,12 @@ def _trainer(config: LightningChurnParams, extras: dict) -> L.Trainer:
         from lightning.pytorch.loggers import MLFlowLogger
         import mlflow
         kwargs["logger"] = MLFlowLogger(experiment_name="mine", tracking_uri=mlflow.get_tracking_uri())
+    elif extras.get("logger") == "mlflow_default":  # no tracking_uri: ./mlruns, which MLflow refuses
+        from lightning.pytorch.loggers import MLFlowLogger
+        kwargs["logger"] = MLFlowLogger()
+    elif extras.get("logger") == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+        kwargs["logger"] = CSVLogger(extras["csv_dir"])
     elif extras.get("logger") == "wandb":
         from lightning.pytorch.loggers import WandbLogger
         kwargs["logger"] = WandbLogger(project="mine", offline=True)
