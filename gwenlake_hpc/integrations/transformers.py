@@ -47,6 +47,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..base.errors import ConfigError, recognise_config_errors
+from ..base.fsutil import umask
 from .loop import DrivenLoop
 
 log = logging.getLogger("gwenlake_hpc.integrations")
@@ -139,7 +140,9 @@ class GwenlakeCallback(TrainerCallback):
                 if not folder.is_dir():
                     raise RuntimeError(f"the Trainer's checkpoint {folder} is missing: is output_dir shared by all "
                                        "ranks (run_trainer sets it)?")
+                mode = 0o666 & ~umask()  # safetensors writes 0600: teammates on the shared filesystem read runs
                 for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+                    os.chmod(path, mode)
                     os.replace(path, ck.path(str(path.relative_to(folder))))
         run.dist.barrier()
         if run.is_main:
@@ -273,5 +276,9 @@ def save_model(trainer: Any, output: Any) -> Path:
         opens ``gwenlake_hpc.load_model(name).path``.
     """
     trainer.save_model(str(output.path))
+    mode = 0o666 & ~umask()  # the modes of a plain open(), as the version's other files (safetensors writes 0600)
+    for path in Path(output.path).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
     return Path(output.path)
 

@@ -64,6 +64,13 @@ def test_sigterm_then_sigkill_in_the_checkpoint_write_resume_to_the_uninterrupte
     assert "step-000000017 is damaged" in out and "resuming from step 14" in out, out
     assert _checkpoints(p) == ["step-000000028", "step-000000030"]
     v = _version(last)
+    # the checkpoints' and the Output's files have a plain open()'s mode (safetensors writes 0600): readable by
+    # teammates on the shared filesystem (the adversarial pass found model.safetensors 0600)
+    (run_dir,) = (p.root / "runs" / "lm.tiny").iterdir()
+    files = [f for f in (run_dir / "checkpoints" / "step-000000030").rglob("*") if f.is_file()]
+    files += [f for f in (run_dir / "output").rglob("*") if f.is_file()]
+    assert {f.name for f in files} >= {"model.safetensors", "optimizer.pt", "config.json"}
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in files if f.stat().st_mode & 0o044 != 0o044} == {}
 
     # the Trainer restores data order (skip_first_batches) and RNG (rng_state.pth, dropout): the same weights
     a, b = weights(straight, v_straight, WEIGHTS), weights(p, v, WEIGHTS)

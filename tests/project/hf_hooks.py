@@ -41,7 +41,11 @@ def _kill_halfway_through_the_move(step: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
         return real(src, dst)
 
-    gwl_hf.os = type("os", (), {"replace": staticmethod(replace), "path": os.path})
+    class _Os:  # the integration's os module, with this replace
+        def __getattr__(self, name):
+            return replace if name == "replace" else getattr(os, name)
+
+    gwl_hf.os = _Os()
 
 
 @train(output=Output("lm.tiny"), steps=200, eval_every=50)
