@@ -216,6 +216,12 @@ def test_an_old_start_that_wakes_up_is_fenced_and_the_newer_one_finishes(mounts,
     a = project.popen(*_job_args(mounts.a, db, *common),
                       env={"GWL_TEST_PAUSE": f"25:{reached}:{go}"})
     _wait_file(reached, proc=a)
+    # frozen once step 20's checkpoint, written in the background, is sealed (a loaded machine may take a while)
+    deadline = time.monotonic() + 180
+    while not any(json.loads(f.read_text() or "{}").get("step") == 20
+                  for f in (mounts.server / "runs").glob("t.model/*/checkpoints/LATEST.json")):
+        assert time.monotonic() < deadline, "step 20's checkpoint was not sealed in 180 s"
+        time.sleep(0.1)
     os.kill(a.pid, signal.SIGSTOP)
     try:
         b = project.run(*_job_args(mounts.b, db, *common, "job.lease_wait_s=120"), timeout=600)
