@@ -111,6 +111,18 @@ def read_holder(run_dir: str | os.PathLike) -> Holder | None:
         return Holder("", 0, "", 0, "", 0, 0.0, raw)
 
 
+def _read_settled(run_dir: Path) -> Holder | None:
+    """:func:`read_holder`, read again (up to 3 times, 50 ms apart) while the record does not parse: a read
+    racing a renewal's write on a network filesystem may see it torn, and a torn record is no proof of a loss."""
+    holder = read_holder(run_dir)
+    for _ in range(3):
+        if holder is None or holder.token or not holder.raw:
+            break
+        time.sleep(0.05)
+        holder = read_holder(run_dir)
+    return holder
+
+
 def read_fence(run_dir: str | os.PathLike) -> int:
     """The highest start number handed out for ``run_dir`` (0 before the first)."""
     try:
@@ -243,7 +255,7 @@ class Lease:
         every = max(0.05, self.timeout_s / 4)
         while not self._stop.wait(every):
             try:
-                holder = read_holder(self.run_dir)
+                holder = _read_settled(self.run_dir)
                 if holder is None or holder.token != self.token:
                     self._mark_lost(f"taken by {holder.describe()}" if holder is not None else "broken by another "
                                     "start (the lease file is gone)")
@@ -268,7 +280,7 @@ class Lease:
         Raises:
             FencedError: the lease is gone, names another start, or a newer start number was handed out.
         """
-        holder = read_holder(self.run_dir)
+        holder = _read_settled(self.run_dir)
         newest = read_fence(self.run_dir)
         if holder is not None and holder.token == self.token and newest <= self.fence and not self.lost:
             return

@@ -104,6 +104,7 @@ def finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
     if not run.is_main:  # rank 0 commits; the others only report how the loop ended
         return JobResult(EXIT_EVICTED if run.evicted else 0, None, p.run_dir, run.step)
     if run.evicted:
+        check_fence("ending this start as evicted")  # a start that lost its run exits 2: not requeued
         ck = run.latest_checkpoint
         log.warning("evicted at step %d (%s); newest checkpoint: %s; run the same job again to resume",
                     run.step, start.stop.reason, ck.path if ck else "none")

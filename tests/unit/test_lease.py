@@ -1,0 +1,100 @@
+"""The run's lease and fence (gwenlake_hpc.base.lease) in one process on a local folder: numbering, refusal,
+breaking a record that stops changing, a torn record, the fence's check. The same across two sshfs mounts and
+real processes: tests/integration/test_shared_fs.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import pytest
+
+from gwenlake_hpc.base import lease as leases
+from gwenlake_hpc.base.lease import FENCE, LEASE, RECORD_BYTES, FencedError, Lease, RunHeldError, check_fence
+
+
+def _foreign_record(run_dir, *, host="other-node", pid=12345, t=None, fence=7, token="f" * 32) -> bytes:
+    rec = json.dumps({"token": token, "fence": fence, "host": host, "pid": pid, "slurm_job_id": "99", "beat": 0,
+                      "time": time.time() if t is None else t}).encode()
+    raw = rec + b" " * (RECORD_BYTES - len(rec) - 1) + b"\n"
+    (run_dir / LEASE).write_bytes(raw)
+    return raw
+
+
+def test_each_start_gets_a_higher_number_and_a_second_is_refused(tmp_path):
+    first = Lease(tmp_path, timeout_s=60).acquire()
+    assert first.fence == 1 and (tmp_path / FENCE).read_text().strip() == "1"
+    assert leases.current() is first
+    assert len((tmp_path / LEASE).read_bytes()) == RECORD_BYTES
+    with pytest.raises(RunHeldError, match=f"pid {os.getpid()} on {socket.gethostname()}"):
+        Lease(tmp_path, timeout_s=60).acquire()
+    check_fence("sealing")  # the holder passes
+    first.release()
+    assert not (tmp_path / LEASE).exists() and leases.current() is None
+    check_fence("sealing")  # no lease held in this process: nothing to check
+    second = Lease(tmp_path, timeout_s=60).acquire()
+    assert second.fence == 2
+    second.release()
+
+
+def test_a_record_that_stops_changing_is_broken_after_the_timeout_not_before(tmp_path, caplog):
+    _foreign_record(tmp_path)  # another node's live-looking holder that never renews
+    t0 = time.monotonic()
+    with pytest.raises(RunHeldError, match="start 7 \\(pid 12345 on other-node, SLURM job 99"):
+        Lease(tmp_path, timeout_s=2, wait_s=0.5).acquire()
+    assert time.monotonic() - t0 < 2  # refused within its wait, before the timeout
+    caplog.set_level("WARNING", logger="gwenlake_hpc.lease")
+    t0 = time.monotonic()
+    lease = Lease(tmp_path, timeout_s=2, wait_s=30).acquire()
+    assert 2 <= time.monotonic() - t0 < 30
+    assert "no renewal for" in caplog.text and "other-node" in caplog.text
+    assert lease.fence == 1  # .fence was never written by the foreign record: numbering goes on from it
+    lease.release()
+
+
+def test_a_record_older_than_twice_the_timeout_and_the_skew_is_broken_at_once(tmp_path):
+    _foreign_record(tmp_path, t=time.time() - (2 * 60 + leases.MAX_CLOCK_SKEW_S + 5))
+    t0 = time.monotonic()
+    lease = Lease(tmp_path, timeout_s=60).acquire()
+    assert time.monotonic() - t0 < 5
+    lease.release()
+
+
+def test_a_renewing_holder_is_never_broken(tmp_path):
+    holder = Lease(tmp_path, timeout_s=1).acquire()  # renews every 0.25 s
+    try:
+        with pytest.raises(RunHeldError):
+            Lease(tmp_path, timeout_s=1, wait_s=3).acquire()  # watches it 3 timeouts long
+        assert holder.lost is None
+        holder.check("sealing")
+    finally:
+        holder.release()
+
+
+def test_the_fence_refuses_a_start_whose_lease_was_taken(tmp_path):
+    lost = []
+    old = Lease(tmp_path, timeout_s=60, on_lost=lost.append).acquire()
+    _foreign_record(tmp_path, fence=2, token="a" * 32)  # a newer start took it (after breaking it elsewhere)
+    (tmp_path / FENCE).write_text("2\n")
+    with pytest.raises(FencedError, match="sealing the checkpoint of step 5 refused: start 1 .* no longer holds"):
+        check_fence("sealing the checkpoint of step 5")
+    assert lost and lost[0].startswith("lease lost:") and old.lost
+    old.release()
+    assert (tmp_path / LEASE).exists()  # the newer start's lease is left alone
+
+
+def test_a_torn_record_read_during_a_renewal_is_read_again(tmp_path, monkeypatch):
+    lease = Lease(tmp_path, timeout_s=60).acquire()
+    real, torn = leases.read_holder, [True]
+
+    def read_once_torn(run_dir):
+        if torn and torn.pop():
+            return leases.Holder("", 0, "", 0, "", 0, 0.0, b'{"token": "ab')
+        return real(run_dir)
+
+    monkeypatch.setattr(leases, "read_holder", read_once_torn)
+    lease.check("sealing")  # the torn read is not a loss
+    assert lease.lost is None
+    lease.release()
