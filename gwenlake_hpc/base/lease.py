@@ -9,9 +9,10 @@ GPFS, BeeGFS and FUSE network filesystems all do atomically on the server:
   block written in place, so a reader on another node never sees a size its attribute cache disagrees with.
 - **Renew.** A thread rewrites the record every ``timeout_s / 4`` seconds with the beat counter raised.
 - **Break.** A lease is stale when its record did not change for ``timeout_s`` seconds of the observer's own
-  monotonic clock, at once when its holder ran on this host and its pid is gone, or when the record's own time
-  is older than ``2 * timeout_s`` plus a minute of clock skew. Breaking renames the file aside (one renamer wins), checks it renamed the record it judged
-  stale (else puts it back), and logs a line naming the holder.
+  monotonic clock, at once when its holder ran on this host (in this pid namespace) and its pid is gone, or when
+  the record's own time is older than ``2 * timeout_s`` plus a minute of clock skew. Breaking renames the file
+  aside (one renamer wins), checks it renamed the record it judged stale (else puts it back), and logs a line
+  naming the holder.
 - **Fence.** Every start takes a number above all before it (``<run_dir>/.fence``, only written by a lease
   holder). :func:`check_fence` reads the lease file (an ``open`` and ``read``: NFS's close-to-open and FUSE's
   open revalidate it, unlike a cached ``stat`` or listing) and refuses with :class:`FencedError` when this
@@ -73,9 +74,9 @@ class Holder:
         token: the holder's random id ("" when the record is not written yet or unreadable).
         fence: the holder's start number (0 when unknown).
         host, pid, slurm_job_id: where it runs.
-        beat: renewals so far; ``time``: the holder's wall clock at its last renewal (Unix seconds; only shown,
-            never compared across hosts).
+        beat: renewals so far; ``time``: the holder's wall clock at its last renewal (Unix seconds).
         raw: the bytes read (a renewal changes them).
+        pidns: the holder's pid namespace (its pid is checked only from the same one).
     """
 
     token: str
@@ -86,6 +87,7 @@ class Holder:
     beat: int
     time: float
     raw: bytes
+    pidns: str = ""
 
     def describe(self) -> str:
         if not self.token:
@@ -106,7 +108,8 @@ def read_holder(run_dir: str | os.PathLike) -> Holder | None:
     try:
         rec = json.loads(raw.decode("utf-8"))
         return Holder(str(rec["token"]), int(rec["fence"]), str(rec["host"]), int(rec["pid"]),
-                      str(rec.get("slurm_job_id") or ""), int(rec["beat"]), float(rec["time"]), raw)
+                      str(rec.get("slurm_job_id") or ""), int(rec["beat"]), float(rec["time"]), raw,
+                      str(rec.get("pidns") or ""))
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return Holder("", 0, "", 0, "", 0, 0.0, raw)
 
@@ -131,8 +134,17 @@ def read_fence(run_dir: str | os.PathLike) -> int:
         return 0
 
 
+def pid_namespace() -> str:
+    """This process's pid namespace (``/proc/self/ns/pid``), "" where it cannot be read: a pid names the same
+    process only within one namespace (a container has its own)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def _pid_gone(holder: Holder) -> bool:
-    if holder.host != socket.gethostname() or holder.pid <= 0:
+    if holder.host != socket.gethostname() or holder.pid <= 0 or holder.pidns != _PIDNS:
         return False
     try:
         os.kill(holder.pid, 0)
@@ -240,7 +252,8 @@ class Lease:
 
     def _record(self) -> bytes:
         rec = {"token": self.token, "fence": self.fence, "host": socket.gethostname(), "pid": os.getpid(),
-               "slurm_job_id": str(self._facts.get("slurm_job_id") or ""), "beat": self._beat, "time": time.time()}
+               "slurm_job_id": str(self._facts.get("slurm_job_id") or ""), "beat": self._beat, "time": time.time(),
+               "pidns": _PIDNS}
         data = json.dumps(rec, sort_keys=True).encode()
         if len(data) >= RECORD_BYTES:
             raise ValueError(f"lease record over {RECORD_BYTES} bytes: {data[:80]!r}...")
@@ -315,6 +328,9 @@ class Lease:
                     os.unlink(aside)
                 except OSError:
                     pass
+
+
+_PIDNS = pid_namespace()
 
 
 # --- this process's lease: the checks of the stores -----------------------------------------------------------
