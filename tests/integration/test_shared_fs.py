@@ -248,3 +248,23 @@ def test_an_old_start_that_wakes_up_is_fenced_and_the_newer_one_finishes(mounts,
     runs = client.search_runs([client.get_experiment_by_name("t.model").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert_one_point_per_step(client, runs[0].info.run_id, "loss", range(1, 61))
+
+
+def test_every_point_reaches_mlflow_from_a_runs_root_on_a_network_filesystem(mounts, project, tmp_path):
+    """The adversarial pass's input: two runs in a row through one sshfs mount (steps of 0.1 s): the second kept
+    10 of its 30 points. A spool segment made under a temporary name and hard-linked to its final one is two
+    inodes to a FUSE client: the delivery, opening the final name, saw neither the writer's lock nor its size,
+    and removed the live segment as delivered."""
+    from mlflow import MlflowClient
+
+    db = tmp_path / "mlflow.db"
+    for name in ("solo0", "solo1"):
+        project.run(*_job_args(mounts.a, db, f"job.model={name}", "job.steps=30", "job.eval_every=10",
+                               "job.tracking=true"), env={"GWL_TEST_SLEEP": "0.1"}, check=0, timeout=600)
+    client = MlflowClient(f"sqlite:///{db}")
+    runs = client.search_runs([client.get_experiment_by_name("t.model").experiment_id])
+    assert sorted(r.info.run_name.split("-")[0] for r in runs) == ["solo0", "solo1"]
+    for r in runs:
+        assert r.info.status == "FINISHED"
+        assert_one_point_per_step(client, r.info.run_id, "loss", range(1, 31))
+        assert "final_loss" in r.data.metrics

@@ -214,24 +214,23 @@ class SpoolWriter:
     def _open_next(self) -> None:
         seqs = [int(m.group(1)) for m in map(_SEGMENT.match, os.listdir(self.dir)) if m]
         seq = max(seqs, default=0) + 1
-        # Made under a temporary name and locked before it gets its final one: a reader must never find a
-        # segment of a live writer unlocked (it would remove it as finished).
-        tmp = self.dir / f".new-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        # Created under its final name (O_EXCL: a name taken is skipped) and locked at once. One name only: on a
+        # FUSE or NFS mount a second name (a hard link) is another inode to the client, whose size and lock a
+        # reader opening the other name does not see, so it would remove a live segment as delivered (points
+        # lost on an sshfs runs root). A reader keeps the newest segment while it is empty (the instant before
+        # the lock).
+        while True:
+            path = self.dir / f"{seq:08d}.jsonl"
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+                break
+            except FileExistsError:
+                seq += 1
         try:
             try_lock(fd)
-            while True:
-                path = self.dir / f"{seq:08d}.jsonl"
-                try:
-                    os.link(tmp, path)  # fails if the name exists, unlike a rename
-                    break
-                except FileExistsError:
-                    seq += 1
         except BaseException:
             os.close(fd)
             raise
-        finally:
-            tmp.unlink(missing_ok=True)
         fsync_dir(self.dir)
         old, self._fd, self.path, self._size, self._torn = self._fd, fd, path, 0, False
         if old is not None:
@@ -347,10 +346,10 @@ class SpoolReader:
             locked = try_lock(fd)
             if locked is False:
                 return False
-            if locked is None and not writer_closed and path == segment_paths(self.state_dir)[-1]:
-                return False
             offset = self.offsets.get(path, 0)
             size = os.fstat(fd).st_size
+            if (locked is None or size == 0) and not writer_closed and path == segment_paths(self.state_dir)[-1]:
+                return False  # no locks here, or a segment just created and not locked yet: kept for now
             if size > offset:
                 tail = os.pread(fd, size - offset, offset)
                 if b"\n" in tail:
