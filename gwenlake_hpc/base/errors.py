@@ -87,6 +87,14 @@ class DamagedFileError(CheckpointError):
         return (type(self), (str(self), self.path, self.checkpoint))
 
 
+class CheckpointExistsError(CheckpointError, ConfigError):
+    """A checkpoint of the step being sealed exists already on the shared filesystem (kept as it is): this start
+    resumed from an older checkpoint than the run's newest (a listing its node had cached; the run's pointer
+    deleted) or another start trains the run. Exit 2, not requeued: the next start resumes from the newest."""
+
+    exit_code = EXIT_USAGE
+
+
 class CheckpointNotVisibleError(CheckpointError, ConfigError):
     """The run's newest sealed checkpoint (named by its pointer) cannot be seen from this node within
     ``checkpoint.visible_wait_s``: a stale cache of the shared filesystem. Exit 2 before any work, rather than a

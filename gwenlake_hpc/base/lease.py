@@ -9,10 +9,11 @@ GPFS, BeeGFS and FUSE network filesystems all do atomically on the server:
   block written in place, so a reader on another node never sees a size its attribute cache disagrees with.
 - **Renew.** A thread rewrites the record every ``timeout_s / 4`` seconds with the beat counter raised.
 - **Break.** A lease is stale when its record did not change for ``timeout_s`` seconds of the observer's own
-  monotonic clock, at once when its holder ran on this host (in this pid namespace) and its pid is gone, or when
-  the record's own time is older than ``2 * timeout_s`` plus a minute of clock skew. Breaking renames the file
-  aside (one renamer wins), checks it renamed the record it judged stale (else puts it back), and logs a line
-  naming the holder.
+  monotonic clock (10 s for a record without a token: empty or damaged), or at once when its holder ran on this
+  host (in this pid namespace) and its pid is gone. No other host's clock breaks a lease: a record whose own time
+  is older than ``2 * timeout_s`` plus a minute only makes the start watch it for the timeout even past its
+  ``wait_s``. Breaking renames the file aside (one renamer wins), checks it renamed the record it judged stale
+  (else puts it back), and logs a line naming the holder.
 - **Fence.** Every start takes a number above all before it (``<run_dir>/.fence``, only written by a lease
   holder). :func:`check_fence` reads the lease file (an ``open`` and ``read``: NFS's close-to-open and FUSE's
   open revalidate it, unlike a cached ``stat`` or listing) and refuses with :class:`FencedError` when this
@@ -51,8 +52,10 @@ FENCE = ".fence"
 #: Size of the lease record in bytes (JSON padded with spaces): a fixed size, rewritten in place.
 RECORD_BYTES = 512
 #: Clocks of two nodes are assumed to differ by less than this (seconds): a record whose own time is older than
-#: ``2 * timeout_s`` plus this is stale at once, without watching it for ``timeout_s``.
+#: ``2 * timeout_s`` plus this looks dead, and is watched for ``timeout_s`` (then broken) even past ``wait_s``.
 MAX_CLOCK_SKEW_S = 60.0
+#: Seconds a lease record without a token (empty or damaged) is watched before it is broken, at most.
+EMPTY_RECORD_S = 10.0
 #: Default seconds without renewal after which a lease is broken (``job.lease_timeout_s``).
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -190,35 +193,43 @@ class Lease:
         Raises:
             RunHeldError: a live start holds it and ``wait_s`` ran out (the message names it).
         """
-        deadline = time.monotonic() + self.wait_s
-        seen: dict[bytes, float] = {}  # record -> when this process first read it (its own monotonic clock)
+        started = time.monotonic()
+        deadline = started + self.wait_s
+        last, since = b"\x00", started  # the record last read, and since when it reads so (this process's clock)
         while True:
             try:
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 break
             except FileExistsError:
                 pass
-            holder = read_holder(self.run_dir)
+            holder = _read_settled(self.run_dir)
             if holder is None:
                 continue  # released or broken in between: create again
             now = time.monotonic()
-            first = seen.setdefault(holder.raw, now)
+            if holder.raw != last:
+                last, since = holder.raw, now
+            first = since
             if _pid_gone(holder):
                 self._break(holder, f"its process {holder.pid} on {holder.host} is gone")
                 continue
-            if now - first >= self.timeout_s:
-                self._break(holder, f"no renewal for {now - first:.0f} s (job.lease_timeout_s={self.timeout_s:g})")
+            # A record without a token (empty: its creator died before writing it; or damaged) is judged sooner:
+            # a live creator writes it within milliseconds.
+            limit = self.timeout_s if holder.token else min(self.timeout_s, EMPTY_RECORD_S)
+            if now - first >= limit:
+                self._break(holder, f"no renewal for {now - first:.0f} s (job.lease_timeout_s={self.timeout_s:g})"
+                            if holder.token else f"its record stayed unreadable for {now - first:.0f} s")
                 continue
-            if holder.token and time.time() - holder.time > 2 * self.timeout_s + MAX_CLOCK_SKEW_S:
-                self._break(holder, f"last renewed {time.time() - holder.time:.0f} s ago by its clock")
-                continue
-            if now >= deadline:
+            # Only what this process saw breaks a lease, never another host's clock. A record that looks old by
+            # its own time (or has no token) is watched for its limit even past job.lease_wait_s, so that a
+            # start after a lost node takes the run over by itself.
+            looks_dead = not holder.token or time.time() - holder.time > 2 * self.timeout_s + MAX_CLOCK_SKEW_S
+            if now >= deadline and (not looks_dead or now - started >= limit + 1.0):
                 raise RunHeldError(
                     f"run {self.run_dir} is being trained by {holder.describe()}; two starts on one run would fork "
                     f"its checkpoints and its MLflow curve. Wait for it to end; a lease not renewed for "
                     f"{self.timeout_s:g} s (job.lease_timeout_s) is broken by the next start, and "
                     f"job.lease_wait_s=SECONDS makes a start wait that long for it")
-            time.sleep(min(1.0, max(0.05, self.timeout_s / 20), max(0.05, deadline - now)))
+            time.sleep(min(1.0, max(0.05, self.timeout_s / 20), max(0.05, deadline - now) if not looks_dead else 1.0))
         self.fence = read_fence(self.run_dir) + 1
         write_atomic(self.run_dir / FENCE, f"{self.fence}\n")
         self._write()

@@ -184,8 +184,10 @@ class JobConfig:
                               f"job.eval_every=auto chooses ({DEFAULT_MAX_INTERVAL_S:g} by default)")
         rules.positive_number("job.lease_timeout_s", self.lease_timeout_s, "seconds a run's lease may go without "
                               f"renewal before the next start breaks it ({DEFAULT_LEASE_TIMEOUT_S:g} by default)")
-        if self.lease_timeout_s < 1:  # renewed every quarter of it: below a second the renewals would flood the server
-            raise ConfigError(f"job.lease_timeout_s={self.lease_timeout_s!r}: must be at least 1 second "
+        # renewed every quarter of it: below a second the renewals would flood the server; above a day a lost
+        # node's run would wait that long (and a huge number overflows the renewing thread's timer)
+        if not 1 <= self.lease_timeout_s <= 86400:
+            raise ConfigError(f"job.lease_timeout_s={self.lease_timeout_s!r}: must be between 1 and 86400 seconds "
                               f"({DEFAULT_LEASE_TIMEOUT_S:g} by default)")
         if self.lease_wait_s is not None:
             rules.positive_seconds("job.lease_wait_s", self.lease_wait_s, allow_zero=True)

@@ -54,12 +54,51 @@ def test_a_record_that_stops_changing_is_broken_after_the_timeout_not_before(tmp
     lease.release()
 
 
-def test_a_record_older_than_twice_the_timeout_and_the_skew_is_broken_at_once(tmp_path):
-    _foreign_record(tmp_path, t=time.time() - (2 * 60 + leases.MAX_CLOCK_SKEW_S + 5))
+def test_a_record_old_by_its_own_clock_is_watched_then_broken_even_without_a_wait(tmp_path):
+    # a lost node's lease, its last renewal long ago: a start with lease_wait_s=0 watches it for the timeout
+    # (no other host's clock breaks a lease by itself), then takes the run over
+    _foreign_record(tmp_path, t=time.time() - (2 * 2 + leases.MAX_CLOCK_SKEW_S + 5))
     t0 = time.monotonic()
-    lease = Lease(tmp_path, timeout_s=60).acquire()
-    assert time.monotonic() - t0 < 5
+    lease = Lease(tmp_path, timeout_s=2, wait_s=0).acquire()
+    assert 2 <= time.monotonic() - t0 < 10
     lease.release()
+
+
+def test_a_live_holder_whose_clock_is_behind_is_never_broken(tmp_path):
+    """The adversarial pass's input: a holder whose clock was 300 s behind was broken while it renewed."""
+    import threading
+
+    stop = threading.Event()
+
+    def renew():  # another node's holder, alive, its clock 300 s behind: its record changes at every renewal
+        beat = 0
+        while not stop.wait(0.2):
+            beat += 1
+            rec = json.loads(_foreign_record(tmp_path, t=time.time() - 300).decode())
+            assert rec["beat"] == 0
+            raw = (tmp_path / LEASE).read_bytes().replace(b'"beat": 0', f'"beat": {beat}'.encode())
+            (tmp_path / LEASE).write_bytes(raw)
+
+    _foreign_record(tmp_path, t=time.time() - 300)
+    thread = threading.Thread(target=renew)
+    thread.start()
+    try:
+        with pytest.raises(RunHeldError, match="is being trained by"):  # (its name if the read was not torn)
+            Lease(tmp_path, timeout_s=2, wait_s=0).acquire()  # watched 3 s, never unchanged for 2 s
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_an_empty_or_damaged_record_is_broken_after_ten_seconds_at_most(tmp_path):
+    """The adversarial pass's input: a garbage .lease (or the empty one of a creator killed before its first
+    write) refused every start with lease_wait_s=0, for ever."""
+    for content in (b"", b"garbage\x00\xff"):
+        (tmp_path / LEASE).write_bytes(content)
+        t0 = time.monotonic()
+        lease = Lease(tmp_path, timeout_s=60, wait_s=0).acquire()
+        assert leases.EMPTY_RECORD_S <= time.monotonic() - t0 < leases.EMPTY_RECORD_S + 10
+        lease.release()
 
 
 def test_a_renewing_holder_is_never_broken(tmp_path):

@@ -31,6 +31,7 @@ through :mod:`gwenlake_hpc.base.fsutil`. Which checkpoint a job resumes from is 
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
@@ -44,7 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from ...base.errors import CheckpointError, CheckpointFormatError, CheckpointNotVisibleError, ConfigError
+from ...base.errors import (CheckpointError, CheckpointExistsError, CheckpointFormatError, CheckpointNotVisibleError,
+                            ConfigError)
 from ...base.fsutil import atomic_file, fsync_dir
 from ...base.lease import check_fence
 from .digest import DEFAULT_ALGORITHM, entry_digest, file_digest
@@ -414,8 +416,11 @@ class PendingCheckpoint:
         if final.exists():
             problem = self.store.problem_of(final)
             if problem is None:
-                raise CheckpointError(f"a checkpoint for step {self.step} already exists at {final}; it is kept as "
-                                      "is (is another process running this run?)")
+                raise CheckpointExistsError(
+                    f"a checkpoint for step {self.step} already exists at {final}; it is kept as is. This start "
+                    "resumed from an older checkpoint than the run's newest (its node's cached listing of the shared "
+                    "filesystem, with checkpoints/LATEST.json missing) or another start trains this run: run the "
+                    "job again, the next start resumes from the newest")
             aside = self.store.set_aside_if_damaged(final, problem)
             # someone's folder renamed under their feet: say where it went
             log.warning("%s was in the way of this run's checkpoint of step %d (%s); set aside as %s, kept for "
@@ -424,7 +429,12 @@ class PendingCheckpoint:
         # folder): its files and folders are fsynced above; the rename and the parent's fsync seal it.
         try:
             os.rename(self.dir, final)
-        except OSError as exc:  # lost a race for the name: keep theirs, drop ours
+        except OSError as exc:  # lost a race for the name, or the server has it: keep theirs, drop ours
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise CheckpointExistsError(
+                    f"could not seal the checkpoint of step {self.step}: {final} exists on the shared filesystem "
+                    "(kept as is) though this node did not list it: this start resumed from an older checkpoint "
+                    "than the run's newest, or another start trains this run; run the job again") from exc
             raise CheckpointError(f"could not seal the checkpoint of step {self.step} at {final}: {exc}") from exc
         fsync_dir(self.store.root)
         # The mark goes only now: a kill before the rename leaves a partial that cleanup can still prove ours.
