@@ -117,6 +117,7 @@ class GwenlakeCallback(Callback):
         self.loop: DrivenLoop | None = None
         self._last_step = -1
         self._loader_states: list[Any] = []  # the train loaders' states of the checkpoint resumed from
+        self._fresh_epoch = False  # resumed from an epoch's last batch: the next epoch's iterator is made anew
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -138,15 +139,19 @@ class GwenlakeCallback(Callback):
         fit_loop = trainer.fit_loop
         epoch = self._epoch_of(trainer)
         if not states or fit_loop._combined_loader is None or fit_loop._data_fetcher is None or epoch == 0:
-            return
+            return  # epoch 0 (not past its last batch): the order Lightning restored is the right one
+        # A checkpoint of an epoch's last batch: the resumed start begins the next epoch (Lightning counts it so),
+        # from its first batch, not from the spent iterator the state describes (which would skip that epoch).
+        epoch_done = bool(fit_loop.epoch_loop.batch_progress.is_last_batch)
         reloaded = False
         for loader, state in zip(fit_loop._combined_loader.flattened, states):
             if state and callable(getattr(loader, "load_state_dict", None)):
                 _set_sampler_epoch(loader, epoch)
-                loader.load_state_dict(state)
+                loader.load_state_dict({} if epoch_done else state)  # {}: a fresh iterator at the next iter()
                 reloaded = True
-        if reloaded:
+        if reloaded and not epoch_done:
             iter(fit_loop._data_fetcher)  # nothing fetched yet: the fetcher starts on the reloaded iterator
+        self._fresh_epoch = reloaded and epoch_done
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step != self.run.start_step:
@@ -157,8 +162,13 @@ class GwenlakeCallback(Callback):
         self.loop = DrivenLoop(self.run, int(total), "the Lightning Trainer")
         self._last_step = trainer.global_step
         self._reload_loaders(trainer)
-        if not self.loop.advance():
+        if not self.loop.advance():  # the Run restores the RNG here (the state at the checkpoint's step)
             trainer.should_stop = True
+        if self._fresh_epoch:
+            # a new epoch's iterator draws its base seed from the global RNG, as the uninterrupted run's did after
+            # that step: made after the restore
+            self._fresh_epoch = False
+            iter(trainer.fit_loop._data_fetcher)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

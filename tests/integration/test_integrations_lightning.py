@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 
 MODEL = "crm.churn-lightning"
 # The adversarial pass's job (job.steps=200, job.eval_every=10) on the churn data: 128 customers a step, epoch 0 is
-# steps 1..45 (5,634 customers), epoch 1 46..90, epoch 2 91..135: the resumes are in epochs 0, 1 and 2
+# steps 1..45 (5,634 customers), epoch 1 46..90, epoch 2 91..135: the resumes are in epochs 0 and 1 and at the end
+# of epoch 1
 JOB = "target: lightning_hooks:fit\nsteps: 200\neval_every: 10\nseed: 0\n"
 WEIGHTS = "crm/churn-lightning/model.safetensors"
 
@@ -51,14 +52,15 @@ def test_sigterm_and_sigkills_resume_to_the_uninterrupted_weights_and_points(tmp
     assert checkpoints(p, MODEL) == ["step-000000040", "step-000000050"]
 
     # resumed in epoch 1 (the pass's input: every resume past the first epoch gave other weights), then a SIGKILL
-    # with half of step 120's lightning.ckpt written: never sealed, never resumed from
-    third = p.run("+job=pl_t", env={**env, "GWL_TEST_SIGKILL_IN_SAVE": "120"}, check=-signal.SIGKILL)
+    # with half of step 100's lightning.ckpt written: never sealed, never resumed from
+    third = p.run("+job=pl_t", env={**env, "GWL_TEST_SIGKILL_IN_SAVE": "100"}, check=-signal.SIGKILL)
     assert "resuming from step 50" in third.stdout + third.stderr, third.stderr
-    assert checkpoints(p, MODEL) == ["step-000000100", "step-000000110"]
+    assert checkpoints(p, MODEL) == ["step-000000080", "step-000000090"]
 
+    # resumed from step 90, the last batch of epoch 1 (the re-check's input: the spent iterator skipped epoch 2)
     last = p.run("+job=pl_t", env=env, check=0)
     out = last.stdout + last.stderr
-    assert "resuming from step 110" in out and "not resumable" not in out, out
+    assert "resuming from step 90" in out and "not resumable" not in out, out
     assert checkpoints(p, MODEL) == ["step-000000190", "step-000000200"]
     v = version_line(last, MODEL)
 
@@ -117,3 +119,19 @@ def test_a_csv_logger_of_the_users_is_kept_beside_the_jobs_run(tmp_path):
     assert "loss" in rows[0].split(","), rows[0]
     assert len(rows) - 1 == 30  # one row a step, from Lightning alone (the early log of a checkpoint step is ours)
     assert sorted(history(p, MODEL, "loss")) == list(range(1, 31))
+
+
+def test_an_epochs_run_resumed_from_an_epochs_last_batch_trains_every_epoch(tmp_path):
+    """The re-check's input (job.epochs=2, job.eval_every=15, killed right after step 45's seal, the last batch
+    of epoch 0): the resumed start stopped after one step of epoch 1 and committed a half-trained model."""
+    args = ("+job=pl_t", "job.steps=null", "job.epochs=2", "job.eval_every=15")
+    straight = _project(tmp_path / "straight")
+    v_straight = version_line(straight.run(*args, check=0), MODEL)
+    p = _project(tmp_path / "p")
+    p.run(*args, env={"GWL_TEST_SIGKILL_AT": "46", "GWENLAKE_CHECKPOINT_ASYNC": "0"}, check=-signal.SIGKILL)
+    last = p.run(*args, check=0)
+    assert "resuming from step 45" in last.stdout + last.stderr, last.stderr
+    assert checkpoints(p, MODEL) == ["step-000000075", "step-000000090"]
+    a, b = weights(straight, v_straight, WEIGHTS), weights(p, version_line(last, MODEL), WEIGHTS)
+    assert all((a[name] == b[name]).all() for name in a)
+    assert sorted(history(p, MODEL, "loss")) == list(range(1, 91))
