@@ -208,16 +208,15 @@ class Lease:
             now = time.monotonic()
             if holder.raw != last:
                 last, since = holder.raw, now
-            first = since
             if _pid_gone(holder):
                 self._break(holder, f"its process {holder.pid} on {holder.host} is gone")
                 continue
             # A record without a token (empty: its creator died before writing it; or damaged) is judged sooner:
             # a live creator writes it within milliseconds.
             limit = self.timeout_s if holder.token else min(self.timeout_s, EMPTY_RECORD_S)
-            if now - first >= limit:
-                self._break(holder, f"no renewal for {now - first:.0f} s (job.lease_timeout_s={self.timeout_s:g})"
-                            if holder.token else f"its record stayed unreadable for {now - first:.0f} s")
+            if now - since >= limit:
+                self._break(holder, f"no renewal for {now - since:.0f} s (job.lease_timeout_s={self.timeout_s:g})"
+                            if holder.token else f"its record stayed unreadable for {now - since:.0f} s")
                 continue
             # Only what this process saw breaks a lease, never another host's clock. A record that looks old by
             # its own time (or has no token) is watched for its limit even past job.lease_wait_s, so that a
