@@ -186,10 +186,17 @@ def test_two_starts_of_one_run_on_two_mounts_exactly_one_trains(mounts, project,
     db = tmp_path / "mlflow.db"
     for attempt in range(2):  # every time, whichever mount comes first
         model = f"job.model=race{attempt}"
-        env = {"GWL_TEST_SLEEP": "0.1"}
+        # whichever trains waits at step 5 until the other has ended: they overlap however slow a start-up is
+        go = tmp_path / f"go{attempt}"
+        env = {"GWL_TEST_PAUSE": f"5:{tmp_path / f'reached{attempt}'}:{go}"}
         first, second = (mounts.a, mounts.b) if attempt == 0 else (mounts.b, mounts.a)
         p1 = project.popen(*_job_args(first, db, model, "job.steps=60", "job.eval_every=20"), env=env)
         p2 = project.popen(*_job_args(second, db, model, "job.steps=60", "job.eval_every=20"), env=env)
+        deadline = time.monotonic() + 300
+        while p1.poll() is None and p2.poll() is None:
+            assert time.monotonic() < deadline, "neither start ended in 300 s"
+            time.sleep(0.1)
+        go.touch()
         out1, out2 = p1.communicate(timeout=600), p2.communicate(timeout=600)
         rcs = sorted([p1.returncode, p2.returncode])
         said = "".join(out1 + out2)
