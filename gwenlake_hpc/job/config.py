@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -76,14 +76,39 @@ class CheckpointConfig:
             (``checkpoints/LATEST.json``, written at each seal) names but this node's cached listing does not
             show yet (NFS ``actimeo`` up to 60 s, FUSE ``cache_timeout``); past it the start exits 2 rather than
             resume from an older checkpoint. 90 by default; 0: no wait.
+        local_dir: a node-local disk or RAM disk (absolute path) for the first level of checkpoints
+            (:mod:`gwenlake_hpc.stores.checkpoints.levels`): sealed there, then copied to the run directory in the
+            background. None (the default): ``$SLURM_TMPDIR`` where it is set, else off; ``off``: off.
+        shared_wait_s: seconds after a stop signal during which the end of the loop waits for the copy of the
+            newest local checkpoint to the shared level (20 by default: SLURM's default KillWait is 30 s); past
+            it the start exits, and the log says which level holds the newest checkpoint.
     """
 
     visible_wait_s: float = 90.0
+    local_dir: Optional[str] = None
+    shared_wait_s: float = 20.0
 
     def __post_init__(self) -> None:
         rules.positive_seconds("checkpoint.visible_wait_s", self.visible_wait_s, allow_zero=True)
         if self.visible_wait_s is None:
             raise ConfigError("checkpoint.visible_wait_s=None: must be a number of seconds >= 0 (90 by default)")
+        rules.positive_seconds("checkpoint.shared_wait_s", self.shared_wait_s, allow_zero=True)
+        if self.shared_wait_s is None:
+            raise ConfigError("checkpoint.shared_wait_s=None: must be a number of seconds >= 0 (20 by default)")
+        if self.local_dir is not None and (not isinstance(self.local_dir, str) or self.local_dir != "off" and
+                                           not Path(self.local_dir).is_absolute()):
+            raise ConfigError(f"checkpoint.local_dir={self.local_dir!r}: must be an absolute path to a node-local "
+                              "disk or RAM disk (e.g. /tmp/ckpt), off, or null ($SLURM_TMPDIR where set)")
+
+    def local_level(self, environ: Mapping[str, str] | None = None) -> Path | None:
+        """The node-local level's folder where this process runs: ``local_dir``, else ``$SLURM_TMPDIR`` (when set
+        and absolute), else None (off)."""
+        if self.local_dir == "off":
+            return None
+        if self.local_dir is not None:
+            return Path(self.local_dir)
+        tmp = (os.environ if environ is None else environ).get("SLURM_TMPDIR") or ""
+        return Path(tmp) if tmp and Path(tmp).is_absolute() else None
 
 
 @dataclass

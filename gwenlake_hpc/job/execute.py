@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..authoring.api import Input, Model
 from ..stores.checkpoints import DamagedFileError
+from ..stores.checkpoints.levels import local_root
 from ..runtime.distributed import Dist
 from ..runtime.distributed import setup as setup_distributed
 from ..runtime.distributed import teardown as teardown_distributed
@@ -270,7 +271,7 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     if done is not None:
         return _already_finished(p, done, d)
     # job.resume=never, job.steps below the newest checkpoint, a newest checkpoint this node cannot see yet
-    point = resume_point(p, float(p.settings.checkpoint.visible_wait_s))
+    point = resume_point(p, float(p.settings.checkpoint.visible_wait_s), _local_level(p))
     if d.is_main:
         log.info("resume point: %s", point.why)
     past = ledgers.summarize(ledgers.read_ledger(p.run_dir))  # the earlier starts (before this one's file exists)
@@ -289,6 +290,13 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     finally:
         if ledger is not None:
             ledger.end(reason, stop.received_at, stop.reason)
+
+
+def _local_level(p: JobPlan) -> Path | None:
+    """The run's folder on this node's local level of checkpoints (``checkpoint.local_dir``, else
+    ``$SLURM_TMPDIR``), or None when off."""
+    base = p.settings.checkpoint.local_level()
+    return local_root(base, p.run_dir, p.key) if base is not None else None
 
 
 def _start_ledger(p: JobPlan, info: Mapping[str, Any], d: Dist) -> Any:
@@ -457,7 +465,8 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
                        progress=launcher.progress, progress_every_s=launcher.progress_every_s, dist=d,
                        heartbeat=heartbeat, slow_rank_factor=float(p.settings.job.slow_rank_factor),
                        on_loop_start=lambda first: _record_first_step(start, first, d), ledger=start.ledger,
-                       mtbf_s=start.mtbf_s, max_eval_interval_s=float(p.settings.job.max_eval_interval_s))
+                       mtbf_s=start.mtbf_s, max_eval_interval_s=float(p.settings.job.max_eval_interval_s),
+                       local_dir=_local_level(p), shared_wait_s=float(p.settings.checkpoint.shared_wait_s))
         except BaseException:
             tracker.close()
             raise

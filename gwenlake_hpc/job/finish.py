@@ -105,9 +105,8 @@ def finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
         return JobResult(EXIT_EVICTED if run.evicted else 0, None, p.run_dir, run.step)
     if run.evicted:
         check_fence("ending this start as evicted")  # a start that lost its run exits 2: not requeued
-        ck = run.latest_checkpoint
         log.warning("evicted at step %d (%s); newest checkpoint: %s; run the same job again to resume",
-                    run.step, start.stop.reason, ck.path if ck else "none")
+                    run.step, start.stop.reason, run.checkpoint_level)
         tracker.set_tags({EVICTED_TAG: str(run.step)})
         goodput_totals(p, run, start, evicted=True)
         tracker.finish("KILLED", timeout_s=min(finish_timeout, 20.0))

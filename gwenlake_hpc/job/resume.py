@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ..base.errors import ConfigError
@@ -64,13 +65,15 @@ class ResumePoint:
     why: str
 
 
-def resume_point(p: JobPlan, wait_s: float = 0.0) -> ResumePoint:
+def resume_point(p: JobPlan, wait_s: float = 0.0, local: Path | None = None) -> ResumePoint:
     """Decide where this start of ``p``'s run resumes (see the module docstring), before it trains or is
     submitted.
 
     Reads ``<run_dir>/run.json`` and the checkpoints' manifests; writes nothing and hashes no file. ``wait_s``
     (``checkpoint.visible_wait_s`` for a start that trains; 0 for a submission): how long to wait for a checkpoint
-    the run's pointer names but this node's listing does not show.
+    the run's pointer names but this node's listing does not show. ``local``: the run's folder on this node's
+    local level (``checkpoint.local_dir``; :func:`~gwenlake_hpc.stores.checkpoints.levels.local_root`), whose newer
+    checkpoint the start resumes from; None: the shared level alone (a submission cannot see a node's disk).
 
     Raises:
         ConfigError: ``job.resume=never`` with checkpoints of this run, or ``job.steps`` below the newest
@@ -80,14 +83,17 @@ def resume_point(p: JobPlan, wait_s: float = 0.0) -> ResumePoint:
     if done is not None:
         return ResumePoint(None, True, f"finished at step {done.get('final_step')} as version {done['version']}")
     folder = p.run_dir / "checkpoints"  # not created here: a refused or dry-run submission writes nothing
-    newest = resume_from(CheckpointStore(folder, p.key), p.resume, verify=False, wait_s=wait_s) \
-        if folder.is_dir() else resume_from_nothing(p.resume)
+    near = CheckpointStore(local / "checkpoints", p.key) if local is not None and (local / "checkpoints").is_dir() \
+        else None
+    newest = resume_from(CheckpointStore(folder, p.key), p.resume, verify=False, wait_s=wait_s, local=near) \
+        if folder.is_dir() or near is not None else resume_from_nothing(p.resume)
     if p.steps is not None and newest is not None and newest.step > p.steps:
         raise ConfigError(f"job.steps={p.steps} is below step {newest.step} of this run's newest checkpoint; "
                           f"use job.steps>={newest.step}, or a new run name (job.model=...)")
     if newest is None:
         return ResumePoint(None, False, f"no checkpoint of this run yet (job.resume={p.resume}): from step 0")
-    return ResumePoint(newest, False, f"job.resume=auto: the newest sealed checkpoint, {newest.path.name} "
+    level = " on this node's local level" if near is not None and newest.path.parent == near.root else ""
+    return ResumePoint(newest, False, f"job.resume=auto: the newest sealed checkpoint, {newest.path.name}{level} "
                                       "(an older one if its files are damaged)")
 
 
@@ -100,8 +106,8 @@ def retry_after_damaged_load(run: Run, exc: DamagedFileError) -> bool:
     """
     if exc.checkpoint is None or run.resume_path is None or exc.checkpoint.absolute() != run.resume_path.absolute():
         return False
-    if run.is_main:
-        moved = run.store.set_aside_if_damaged(run.resume_path, str(exc))
+    if run.is_main:  # the store of the level it is on (the shared one, or this node's local one)
+        moved = CheckpointStore(run.resume_path.parent, run.run_key).set_aside_if_damaged(run.resume_path, str(exc))
         log.warning("checkpoint %s is damaged (%s); set aside as %s", run.resume_path, exc,
                     moved.name if moved else "?")
     if run.dist.enabled:

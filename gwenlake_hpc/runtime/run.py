@@ -20,12 +20,14 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping
 
 from ..base import rules
 from ..stores.checkpoints import Checkpoint, CheckpointStore
+from ..stores.checkpoints.levels import DEFAULT_SHARED_WAIT_S, SharedCopier, local_store
 from ..stores.checkpoints.resume import RESUME_CHOICES, resume_from
 from ..stores.checkpoints.writer import async_default
 from .distributed import Dist
@@ -76,6 +78,12 @@ class Run:
         ledger: this start's :class:`~.ledger.StartLedger` (rank 0), fed at every step; None: none.
         mtbf_s: with ``eval_every="auto"``, gives the mean seconds between unannounced interruptions.
         max_eval_interval_s: with ``eval_every="auto"``, the longest interval between two evaluations.
+        local_dir: the run's folder on a node-local first level of checkpoints
+            (:func:`~gwenlake_hpc.stores.checkpoints.levels.local_root` of ``checkpoint.local_dir``), or None: every
+            checkpoint is sealed in ``<run_dir>/checkpoints`` directly. Not used (a log line says so) when the
+            ranks run on several nodes.
+        shared_wait_s: ``checkpoint.shared_wait_s``: seconds after a stop signal (or a failure) during which the
+            end of the loop waits for the copy of the newest local checkpoint to the shared level.
 
     Attributes read by user code: ``resumed``, ``resume_path``, ``start_step``, ``step``, ``epoch``,
     ``at_eval``, ``stopping``, ``evicted``, ``total_steps``, ``run_dir``, ``seed``, ``rank``, ``world_size``,
@@ -107,7 +115,8 @@ class Run:
                  progress_every_s: float = 30.0, dist: Dist | None = None, checkpoint_async: bool | None = None,
                  on_nonfinite: str = "stop", heartbeat: Any = None, slow_rank_factor: float = DEFAULT_FACTOR,
                  on_loop_start: Callable[[int], None] | None = None, ledger: Any = None,
-                 mtbf_s: Callable[[], float] | None = None, max_eval_interval_s: float = DEFAULT_MAX_INTERVAL_S):
+                 mtbf_s: Callable[[], float] | None = None, max_eval_interval_s: float = DEFAULT_MAX_INTERVAL_S,
+                 local_dir: Path | None = None, shared_wait_s: float = DEFAULT_SHARED_WAIT_S):
         rules.whole_number("job.steps", steps, 0)
         rules.whole_number("job.epochs", epochs)
         if eval_every != AUTO:
@@ -130,6 +139,8 @@ class Run:
         self._progress: Progress | None = None
         self.checkpoint_async = async_default() if checkpoint_async is None else bool(checkpoint_async)
         self.store = CheckpointStore(self.run_dir / "checkpoints", run_key)
+        self._shared_wait_s = float(shared_wait_s)
+        self._local = self._local_level(local_dir)
         latest = self._choose_checkpoint(resume)
         self._resumed_from: Checkpoint | None = latest
         self._run_state = self._own_state(latest) if latest else None
@@ -146,7 +157,8 @@ class Run:
         self._times = StepTimes()
         # Where a rank other than 0 puts its (discarded) checkpoint files; its Output is a sibling folder.
         scratch = self.run_dir / ".ranks" / f"rank-{self.rank:05d}" / "checkpoint"
-        self._checkpoints = RunCheckpoints(self.store, self.dist, self._times, tracker, scratch, latest)
+        self._checkpoints = RunCheckpoints(self._local or self.store, self.dist, self._times, tracker, scratch, latest,
+                                           self._copier(latest))
         self._heartbeat = self._checkpoints.heartbeat = heartbeat  # the hang watchdog's view (None: no watchdog)
         self._metrics = RunMetrics(tracker, self._times, self.dist.is_main, on_nonfinite, self._checkpoints.wait)
         self._speeds = RankSpeeds(self.dist, tracker, self.run_dir, slow_rank_factor) if self.dist.enabled else None
@@ -170,17 +182,48 @@ class Run:
         """
         latest = None
         if self.dist.is_main:
-            removed = self.store.clean_partials()
+            removed = self.store.clean_partials() + (self._local.clean_partials() if self._local else [])
             if removed:
                 log.info("removed %d partial checkpoint(s) left by an interrupted writer", len(removed))
-            latest = resume_from(self.store, resume, verify=True)
-        name = self.dist.broadcast(latest.path.name if latest else None)
+            latest = resume_from(self.store, resume, verify=True, local=self._local)
+            if latest is not None and self._local is not None and latest.path.parent == self._local.root:
+                log.info("resuming from the node-local level: %s is newer than the shared level's newest", latest.path)
+        name, near = self.dist.broadcast((latest.path.name, latest.path.parent != self.store.root) if latest
+                                         else (None, False))
         if not self.dist.is_main and name is not None:
-            latest = self.store.open(name)
+            latest = (self._local if near and self._local else self.store).open(name)
             if latest is None:
                 raise RuntimeError(f"rank {self.rank}: checkpoint {name} chosen by rank 0 is not readable here; "
                                    "is the run directory on a filesystem shared by all nodes?")
         return latest
+
+    def _local_level(self, local_dir: Path | None) -> CheckpointStore | None:
+        """The store of the node-local first level (rank 0 makes its folder), or None: off, or ranks on several
+        nodes (a checkpoint of several nodes' ranks is one folder every rank writes into: the shared one)."""
+        if local_dir is None:
+            return None
+        if self.dist.enabled:
+            host = socket.gethostname()
+            if self.dist.any(self.dist.broadcast(host) != host):
+                if self.is_main:
+                    log.info("checkpoint.local_dir is not used: this run's ranks are on several nodes, and each "
+                             "checkpoint is one folder they all write into (the shared level)")
+                return None
+        if self.is_main:
+            return local_store(Path(local_dir), self.run_dir, self.run_key)
+        return CheckpointStore(Path(local_dir) / "checkpoints", self.run_key)
+
+    def _copier(self, latest: Checkpoint | None) -> SharedCopier | None:
+        """Rank 0's copier to the shared level (with a local level); a resume from a local checkpoint newer than
+        the shared level's newest queues its copy at once."""
+        if self._local is None or not self.is_main:
+            return None
+        shared = self.store.complete()
+        copier = SharedCopier(self._local, self.store, shared[-1].step if shared else None)
+        if latest is not None and latest.path.parent == self._local.root and \
+                (copier.shared_step is None or latest.step > copier.shared_step):
+            copier.submit(latest, None)
+        return copier
 
     @property
     def is_main(self) -> bool:
@@ -321,9 +364,12 @@ class Run:
         except KeyboardInterrupt:
             raise  # a second Ctrl-C: at once, without waiting for a write in flight (its partial is cleaned later)
         except BaseException:
+            self._bound_copy(time.monotonic())
             writer.wait(raise_error=False)  # the checkpoint in flight is still sealed; the error wins
             raise
         else:
+            if self.evicted:
+                self._bound_copy(stop.received_at or time.monotonic())
             self.wait_for_checkpoint()  # the final (eviction) checkpoint is sealed before the loop ends
         finally:
             self._end_loop()
@@ -374,6 +420,11 @@ class Run:
                                   position=(self._run_state or {}).get("data"))
         return self._feed, total
 
+    def _bound_copy(self, since: float) -> None:
+        """From now on, waits for the copy to the shared level end ``checkpoint.shared_wait_s`` after ``since``
+        (``time.monotonic()``: the stop signal's arrival, or now): an eviction's grace window is short."""
+        self._checkpoints.copy_deadline = since + self._shared_wait_s
+
     def _stopped_after(self, step: int) -> None:
         """The loop ends after ``step``, the last one of a stop request."""
         self.evicted = True
@@ -394,6 +445,12 @@ class Run:
         self._checkpoints.buffers.close()  # DCP's stager of sharded states: its thread and cached host copies
         if self.evicted:
             log.warning("stop requested (%s): loop ended after step %d", self._stop.reason, self.step)
+
+    @property
+    def checkpoint_level(self) -> str:
+        """Where the newest checkpoint is, in words: its path, or with a node-local level which level(s) hold
+        it (after an eviction's bounded wait for the copy, the shared level may not)."""
+        return self._checkpoints.where()
 
     # -- metrics and checkpoints (the objects' own docstrings say more) ----------------------------------------
     def log(self, metrics: Mapping[str, Any], step: int | None = None, tags: Mapping[str, Any] | None = None) -> None:

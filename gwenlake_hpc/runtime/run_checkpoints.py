@@ -13,7 +13,9 @@ default.
   block ends);
 - the order "points durable, then seal" (the tracker's ``make_durable``), and the step's time breakdown logged
   before the seal;
-- retention (``keep=``);
+- retention (``keep=``), and with a node-local first level (``checkpoint.local_dir``) the hand-over of each
+  sealed local checkpoint to the copier (:class:`~gwenlake_hpc.stores.checkpoints.levels.SharedCopier`), which
+  copies it to the shared level and applies retention on both; the bounded wait for that copy at an eviction;
 - the step of the last checkpoint and the newest sealed one (``run.latest_checkpoint``);
 - the time spent in checkpoint blocks, added to the Run's :class:`~.timing.StepTimes`;
 - the protocol of a multi-task run (rank 0 writes and seals, the others add their own state).
@@ -36,6 +38,7 @@ from typing import Any, Callable, Iterator
 from ..base.errors import CheckpointError, ConfigError
 from ..stores.checkpoints import BackgroundWriter, BufferPool, Checkpoint, CheckpointStore, PendingCheckpoint
 from ..stores.checkpoints import rank_state_name
+from ..stores.checkpoints.levels import SharedCopier
 from .distributed import Dist
 from .heartbeat import CHECKPOINT, STEP
 from .run_metrics import RunMetrics
@@ -82,6 +85,8 @@ class RunCheckpoints:
         tracker: the run's tracker; its ``make_durable(timeout_s=)`` (if any) runs before each seal on rank 0.
         scratch: where a rank other than 0 puts its (discarded) checkpoint files.
         latest: the checkpoint the Run resumed from, or None.
+        copier: with a node-local first level, the copier to the shared level (then ``store`` is the local
+            level's store); None: checkpoints are sealed on ``store``, the shared level, directly.
 
     Attributes:
         writer: the background writer (one write in flight).
@@ -91,8 +96,11 @@ class RunCheckpoints:
     """
 
     def __init__(self, store: CheckpointStore, dist: Dist, times: StepTimes, tracker: Any, scratch: Path,
-                 latest: Checkpoint | None):
+                 latest: Checkpoint | None, copier: SharedCopier | None = None):
         self.store = store
+        self.copier = copier
+        #: ``time.monotonic()`` past which nothing waits for the copier any more (an eviction's grace); None: no bound
+        self.copy_deadline: float | None = None
         self.dist = dist
         self.times = times
         self.tracker = tracker
@@ -157,7 +165,30 @@ class RunCheckpoints:
         """Block until the checkpoint being written in the background (if any) is sealed; return
         :attr:`latest`. Raises CheckpointError as ``Run.wait_for_checkpoint``."""
         self.writer.wait(raise_error)
+        copier = self.copier
+        if copier is not None:
+            left = None if self.copy_deadline is None else self.copy_deadline - time.monotonic()
+            copier.wait(left)
+            if raise_error:
+                copier.raise_if_failed()
         return self.latest
+
+    def where(self) -> str:
+        """Which level the newest checkpoint is on, in words (for the log at the end of a start)."""
+        ck, copier = self.latest, self.copier
+        if ck is None:
+            return "none"
+        if copier is None:
+            return str(ck.path)
+        shared = copier.shared_step
+        if shared is not None and shared >= ck.step:
+            return f"step {ck.step} on both levels ({copier.shared.root / ck.path.name})"
+        import socket
+
+        return (f"step {ck.step} on the node-local level only ({socket.gethostname()}:{ck.path}; its copy to the "
+                f"shared level did not finish in time); the shared level's newest is "
+                f"{'step ' + str(shared) if shared is not None else 'none'}: a start on this node resumes from the "
+                "local one, a start on another node from the shared one")
 
     @contextlib.contextmanager
     def checkpoint(self, step: int, keep: int | None, asynchronous: bool, state: Callable[[], dict[str, Any]],
@@ -248,9 +279,14 @@ class RunCheckpoints:
         def job() -> Checkpoint:
             if make_durable is not None:
                 make_durable(timeout_s=5.0)
+            copier = self.copier
+            if copier is not None:
+                copier.raise_if_failed()  # a failed copy stops the run as a failed write does
             ck = pending.seal()
             self.latest = ck
-            if keep is not None:
+            if copier is not None:
+                copier.submit(ck, keep)  # to the shared level; retention on both levels after the copy
+            elif keep is not None:
                 try:
                     self.store.retain(int(keep), newest=ck.step)
                 except OSError as exc:  # the new checkpoint is sealed: an old one left behind is no failure

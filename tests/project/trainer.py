@@ -5,6 +5,8 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_SIGTERM_RANK=r     ... only on rank r of a multi-task run (default: every rank)
   GWL_TEST_SIGKILL_IN_CKPT=k  SIGKILL half-way through writing the checkpoint of step k
   GWL_TEST_SIGKILL_AT=k       SIGKILL as step k begins (steps up to k-1 done, nothing of k)
+  GWL_TEST_SIGKILL_AFTER_CKPT=k  the checkpoint of step k is synchronous, and SIGKILL follows its block at once
+                              (with checkpoint.local_dir: sealed on the local level, its copy just begun)
   GWL_TEST_PAUSE=k:reached:go at step k, create file `reached` and wait for file `go` (may repeat, ';'-separated)
   GWL_TEST_SLEEP=s            sleep s seconds per step
   GWL_TEST_BAD=escape|column|raise|nooutput|str  misuse the API on purpose (write no output, return a str), or
@@ -75,6 +77,7 @@ def fit(data, output, run, config: Params):
     sigterm_rank = int(os.environ.get("GWL_TEST_SIGTERM_RANK", run.rank))
     sigterm_at = int(os.environ.get("GWL_TEST_SIGTERM_AT", "-1"))
     kill_at = int(os.environ.get("GWL_TEST_SIGKILL_IN_CKPT", "-1"))
+    kill_after = int(os.environ.get("GWL_TEST_SIGKILL_AFTER_CKPT", "-1"))
     sigkill_at = int(os.environ.get("GWL_TEST_SIGKILL_AT", "-1"))
     sleep_s = float(os.environ.get("GWL_TEST_SLEEP", "0"))
     # GWL_TEST_SLOW_STEPS=k:s,...: step k takes s seconds more (a slow first step, a long evaluation)
@@ -147,7 +150,7 @@ def fit(data, output, run, config: Params):
         _hang(step, run)
         if run.at_eval:
             # The torn-file hook needs the file on disk inside the block: a synchronous checkpoint.
-            with run.checkpoint(keep=3, sync=step == kill_at) as ck:
+            with run.checkpoint(keep=3, sync=step in (kill_at, kill_after)) as ck:
                 if os.environ.get("GWL_TEST_SLEEP_IN_CKPT"):
                     time.sleep(float(os.environ["GWL_TEST_SLEEP_IN_CKPT"]))
                 path = ck.path("state.safetensors")
@@ -161,6 +164,8 @@ def fit(data, output, run, config: Params):
                     path.write_bytes(data_bytes[: len(data_bytes) // 2])
                     os.kill(os.getpid(), signal.SIGKILL)
                 ck.metrics = {"train_loss": loss.item()}
+            if step == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
     if run.evicted:
         return None
     if named:

@@ -19,8 +19,13 @@ from .store import Checkpoint, CheckpointStore
 RESUME_CHOICES = ("auto", "never")
 
 
-def resume_from(store: CheckpointStore, resume: str, *, verify: bool, wait_s: float = 0.0) -> Checkpoint | None:
+def resume_from(store: CheckpointStore, resume: str, *, verify: bool, wait_s: float = 0.0,
+                local: CheckpointStore | None = None) -> Checkpoint | None:
     """The checkpoint of ``store`` a start resumes from under ``job.resume=resume``, or None (from step 0).
+
+    With a node-local level ``local`` (``checkpoint.local_dir``, see :mod:`.levels`): its newest checkpoint
+    when it is newer than the shared level's newest (with ``verify``: newer and intact; a damaged one is set aside
+    and the next one tried), else the shared level's. An equal step resumes from the shared level.
 
     With ``verify`` the files are hashed (:meth:`CheckpointStore.latest`) and damaged checkpoints set aside;
     without, only manifests are read and nothing is written. ``wait_s``: how long to wait for the checkpoint the
@@ -33,11 +38,18 @@ def resume_from(store: CheckpointStore, resume: str, *, verify: bool, wait_s: fl
     """
     resume_from_nothing(resume)
     existing = store.complete(wait_s) if store.root.is_dir() else []
+    near = local.complete() if local is not None and local.root.is_dir() else []
     if resume == "never":
-        if existing:
-            raise ConfigError(f"job.resume=never but {store.root} already holds checkpoints of this run; nothing is "
+        held = store if existing else local if near else None
+        if held is not None:
+            raise ConfigError(f"job.resume=never but {held.root} already holds checkpoints of this run; nothing is "
                               "deleted: move them away or use job.resume=auto")
         return None
+    far = existing[-1].step if existing else -1
+    if local is not None and near and near[-1].step > far:
+        ck = local.latest() if verify else near[-1]
+        if ck is not None and ck.step > far:
+            return ck
     if not existing:
         return None
     return store.latest() if verify else existing[-1]

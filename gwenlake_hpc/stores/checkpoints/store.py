@@ -411,35 +411,7 @@ class PendingCheckpoint:
         for d in sorted((p for p in self.dir.rglob("*") if p.is_dir()), reverse=True):
             fsync_dir(d)
         fsync_dir(self.dir)
-        final = self.store.root / f"step-{self.step:09d}"
-        check_fence(f"sealing the checkpoint of step {self.step}")  # an older start that lost the run seals nothing
-        if final.exists():
-            problem = self.store.problem_of(final)
-            if problem is None:
-                raise CheckpointExistsError(
-                    f"a checkpoint for step {self.step} already exists at {final}; it is kept as is. This start "
-                    "resumed from an older checkpoint than the run's newest (its node's cached listing of the shared "
-                    "filesystem, with checkpoints/LATEST.json missing) or another start trains this run: run the "
-                    "job again, the next start resumes from the newest")
-            aside = self.store.set_aside_if_damaged(final, problem)
-            # someone's folder renamed under their feet: say where it went
-            log.warning("%s was in the way of this run's checkpoint of step %d (%s); set aside as %s, kept for "
-                        "inspection", final, self.step, problem, aside)
-        # A directory, so no publish (one file's fsync and os.replace, which would replace a rival's empty
-        # folder): its files and folders are fsynced above; the rename and the parent's fsync seal it.
-        try:
-            os.rename(self.dir, final)
-        except OSError as exc:  # lost a race for the name, or the server has it: keep theirs, drop ours
-            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                raise CheckpointExistsError(
-                    f"could not seal the checkpoint of step {self.step}: {final} exists on the shared filesystem "
-                    "(kept as is) though this node did not list it: this start resumed from an older checkpoint "
-                    "than the run's newest, or another start trains this run; run the job again") from exc
-            raise CheckpointError(f"could not seal the checkpoint of step {self.step} at {final}: {exc}") from exc
-        fsync_dir(self.store.root)
-        # The mark goes only now: a kill before the rename leaves a partial that cleanup can still prove ours.
-        (final / PARTIAL_MARK).unlink(missing_ok=True)
-        self.store.point_to(final)
+        final = self.store.publish(self.dir, self.step)
         return Checkpoint(final, self.step, manifest)
 
     def commit(self, run_state: Mapping[str, Any]) -> Checkpoint:
@@ -475,6 +447,48 @@ class CheckpointStore:
     def begin(self, step: int, buffers: BufferPool | None = None) -> PendingCheckpoint:
         """Start writing the checkpoint of ``step`` (steps completed); asynchronous when ``buffers`` is given."""
         return PendingCheckpoint(self, step, buffers=buffers)
+
+    def publish(self, partial: Path, step: int) -> Path:
+        """Seal the complete partial directory ``partial`` (files and manifest fsynced) as ``step-<step>``: the
+        fence checked, the rename, the parent's fsync, the mark removed, the pointer moved. What
+        :meth:`PendingCheckpoint.seal` and a copy from the node-local level (:mod:`.levels`) end with.
+
+        Raises:
+            FencedError: a newer start of the run holds it.
+            CheckpointExistsError: an intact checkpoint of that step is there (kept as is), or the server has
+                one this node's listing hid.
+            CheckpointError: the rename failed otherwise.
+        """
+        final = self.root / f"step-{step:09d}"
+        check_fence(f"sealing the checkpoint of step {step} in {self.root}")  # a start that lost the run seals nothing
+        if final.exists():
+            problem = self.problem_of(final)
+            if problem is None:
+                raise CheckpointExistsError(
+                    f"a checkpoint for step {step} already exists at {final}; it is kept as is. This start "
+                    "resumed from an older checkpoint than the run's newest (its node's cached listing of the shared "
+                    "filesystem, with checkpoints/LATEST.json missing) or another start trains this run: run the "
+                    "job again, the next start resumes from the newest")
+            aside = self.set_aside_if_damaged(final, problem)
+            # someone's folder renamed under their feet: say where it went
+            log.warning("%s was in the way of this run's checkpoint of step %d (%s); set aside as %s, kept for "
+                        "inspection", final, step, problem, aside)
+        # A directory, so no publish (one file's fsync and os.replace, which would replace a rival's empty
+        # folder): its files and folders are fsynced by the caller; the rename and the parent's fsync seal it.
+        try:
+            os.rename(partial, final)
+        except OSError as exc:  # lost a race for the name, or the server has it: keep theirs, drop ours
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise CheckpointExistsError(
+                    f"could not seal the checkpoint of step {step}: {final} exists on the shared filesystem "
+                    "(kept as is) though this node did not list it: this start resumed from an older checkpoint "
+                    "than the run's newest, or another start trains this run; run the job again") from exc
+            raise CheckpointError(f"could not seal the checkpoint of step {step} at {final}: {exc}") from exc
+        fsync_dir(self.root)
+        # The mark goes only now: a kill before the rename leaves a partial that cleanup can still prove ours.
+        (final / PARTIAL_MARK).unlink(missing_ok=True)
+        self.point_to(final)
+        return final
 
     def _read_manifest(self, path: Path) -> dict[str, Any] | None:
         m = _COMPLETE_RE.match(path.name)
