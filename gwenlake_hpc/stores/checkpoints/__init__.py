@@ -12,6 +12,7 @@
 - :mod:`.buffers`: the host buffers reused by asynchronous checkpoints, allocated ahead when their sizes are known.
 - :mod:`.writer`: the background thread that seals asynchronous checkpoints, one at a time.
 - :mod:`.digest`: the file digests of manifests (XXH3-128; sha256 for format 1).
+- :mod:`.levels`: the node-local first level (``checkpoint.local_dir``): the copy to the shared level, the copier.
 - :mod:`.resume`: the resume rule (``job.resume=auto|never``) over a store, shared by the job and the Run.
 - :mod:`.consolidate`: one safetensors model file from a sharded (DTensor) model or a DCP folder, tensor
   by tensor.

@@ -1,0 +1,168 @@
+"""The node-local first level of checkpoints (issue 27, item 3): the copy to the shared level, the copier, the
+resume rule over both levels, the levels' record."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from gwenlake_hpc.base.errors import CheckpointError, CheckpointExistsError, ConfigError
+from gwenlake_hpc.stores.checkpoints import CheckpointStore
+from gwenlake_hpc.stores.checkpoints import levels
+from gwenlake_hpc.stores.checkpoints.levels import SharedCopier, copy_to_shared, local_root, local_store
+from gwenlake_hpc.stores.checkpoints.resume import resume_from
+
+
+def _seal(store: CheckpointStore, step: int, payload: bytes):
+    pending = store.begin(step)
+    pending.path("weights.bin").write_bytes(payload)
+    pending.path("sub/extra.txt").write_text(f"extra {step}")
+    return pending.commit({"step": step})
+
+
+@pytest.fixture
+def two(tmp_path):
+    shared = CheckpointStore(tmp_path / "run" / "checkpoints", "key")
+    local = local_store(local_root(tmp_path / "node", tmp_path / "run", "key"), tmp_path / "run", "key")
+    return local, shared
+
+
+def test_local_root_is_keyed_to_the_run_and_refuses_a_relative_path(tmp_path):
+    a = local_root("/scratch", tmp_path / "run-a", "key")
+    assert a.parent == Path("/scratch/gwenlake-checkpoints") and a.name.startswith("run-")
+    assert a != local_root("/scratch", tmp_path / "run-b", "key") != local_root("/scratch", tmp_path / "run-a", "k2")
+    with pytest.raises(ConfigError, match="checkpoint.local_dir=scratch: must be an absolute path"):
+        local_root("scratch", tmp_path / "run-a", "key")
+
+
+def test_a_copy_has_the_same_manifest_and_files_and_moves_the_pointer(two):
+    local, shared = two
+    ck = _seal(local, 10, b"w" * 100_000)
+    copied = copy_to_shared(ck, shared)
+    assert copied.path == shared.root / "step-000000010"
+    assert (copied.path / "MANIFEST.json").read_bytes() == (ck.path / "MANIFEST.json").read_bytes()
+    assert (copied.path / "weights.bin").read_bytes() == b"w" * 100_000
+    assert (copied.path / "sub" / "extra.txt").read_text() == "extra 10"
+    assert shared.problem_of(copied.path) is None
+    assert shared.pointer()["step"] == 10
+    assert not list(shared.root.glob(".partial-*"))
+    assert copy_to_shared(ck, shared).path == copied.path  # the same checkpoint again: nothing to do
+
+
+def test_a_damaged_local_copy_is_never_published(two):
+    local, shared = two
+    ck = _seal(local, 10, b"w" * 1000)
+    raw = bytearray((ck.path / "weights.bin").read_bytes())
+    raw[500] ^= 0xFF  # same size, another digest
+    (ck.path / "weights.bin").write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="weights.bin does not match its manifest"):
+        copy_to_shared(ck, shared)
+    assert shared.complete() == [] and not list(shared.root.glob(".partial-*")) and shared.pointer() is None
+
+
+def test_another_checkpoint_of_that_step_on_the_shared_level_is_kept(two):
+    local, shared = two
+    theirs = _seal(shared, 10, b"theirs")
+    ck = _seal(local, 10, b"ours")
+    with pytest.raises(CheckpointExistsError, match="already holds another checkpoint of step 10"):
+        copy_to_shared(ck, shared)
+    assert (theirs.path / "weights.bin").read_bytes() == b"theirs"
+
+
+def test_the_copier_copies_the_newest_and_applies_retention_on_both_levels(two, monkeypatch):
+    local, shared = two
+    gate, entered = threading.Event(), threading.Event()
+    real = levels.copy_to_shared
+
+    def slow(ck, store):
+        entered.set()
+        gate.wait(30)
+        return real(ck, store)
+
+    monkeypatch.setattr(levels, "copy_to_shared", slow)
+    copier = SharedCopier(local, shared, None)
+    copier.submit(_seal(local, 10, b"10"), keep=2)
+    assert entered.wait(30)
+    for step in (20, 30, 40):  # sealed locally while step 10 is being copied: only the newest waits
+        copier.submit(_seal(local, step, str(step).encode()), keep=2)
+    assert copier.pending and not copier.wait(0.2)
+    gate.set()
+    assert copier.wait(60)
+    assert [c.step for c in shared.complete()] == [10, 40]  # 20 and 30 were never copied: 40 replaced them
+    assert [c.step for c in local.complete()] == [30, 40]  # keep=2 below the copied step 40
+    assert copier.shared_step == 40 and copier.copied.step == 40
+    record = levels.levels_record(shared.root)
+    assert record["local_step"] == 40 and record["shared_step"] == 40 and record["copying"] is None
+    assert record["host"] == socket.gethostname()
+
+
+def test_a_failed_copy_is_raised_once_to_the_training_thread(two):
+    local, shared = two
+    ck = _seal(local, 10, b"x" * 10)
+    (ck.path / "weights.bin").write_bytes(b"y" * 10)
+    copier = SharedCopier(local, shared, None)
+    copier.submit(ck, None)
+    assert copier.wait(60)
+    with pytest.raises(CheckpointError, match="copy of a checkpoint to the shared level .* failed: .*weights.bin"):
+        copier.raise_if_failed()
+    copier.raise_if_failed()  # raised once: the background writer keeps it from then on
+
+
+def test_resume_prefers_a_newer_intact_local_checkpoint_else_the_shared_one(two):
+    local, shared = two
+    _seal(shared, 10, b"s10")
+    assert resume_from(shared, "auto", verify=True, local=local).path.parent == shared.root
+    _seal(local, 10, b"l10")
+    assert resume_from(shared, "auto", verify=True, local=local).path.parent == shared.root  # a tie: shared
+    l20 = _seal(local, 20, b"l20")
+    assert resume_from(shared, "auto", verify=True, local=local).path == l20.path
+    assert resume_from(shared, "auto", verify=False, local=local).path == l20.path
+    # damaged local: set aside, the previous local one is not newer than the shared level: shared step 10
+    (l20.path / "sub" / "extra.txt").write_text("torn")
+    ck = resume_from(shared, "auto", verify=True, local=local)
+    assert ck.step == 10 and ck.path.parent == shared.root
+    assert list(local.root.glob(".damaged-step-000000020-*"))
+    with pytest.raises(ConfigError, match=f"job.resume=never but {shared.root} already holds"):
+        resume_from(shared, "never", verify=False, local=local)
+
+
+def test_resume_never_refuses_a_local_level_with_checkpoints(tmp_path):
+    shared = CheckpointStore(tmp_path / "run" / "checkpoints", "key")
+    local = local_store(local_root(tmp_path / "node", tmp_path / "run", "key"), tmp_path / "run", "key")
+    _seal(local, 10, b"l10")
+    with pytest.raises(ConfigError, match=f"job.resume=never but {local.root} already holds"):
+        resume_from(shared, "never", verify=False, local=local)
+
+
+def test_a_local_level_written_by_another_host_is_emptied(tmp_path):
+    root = local_root(tmp_path / "node", tmp_path / "run", "key")
+    store = local_store(root, tmp_path / "run", "key")
+    _seal(store, 10, b"x")
+    (root / "LEVEL.json").write_text(json.dumps({"host": "elsewhere", "run_dir": "x", "run_key": "key"}))
+    again = local_store(root, tmp_path / "run", "key")
+    assert again.complete() == []
+    assert json.loads((root / "LEVEL.json").read_text())["host"] == socket.gethostname()
+
+
+def test_an_unwritable_local_dir_is_a_config_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ConfigError, match="checkpoint.local_dir: cannot use"):
+        local_store(local_root(blocker, tmp_path / "run", "key"), tmp_path / "run", "key")
+
+
+def test_checkpoint_config_validates_and_resolves_the_local_dir(monkeypatch):
+    from gwenlake_hpc.job.config import CheckpointConfig
+
+    assert CheckpointConfig().local_level({}) is None
+    assert str(CheckpointConfig().local_level({"SLURM_TMPDIR": "/local/job1"})) == "/local/job1"
+    assert CheckpointConfig(local_dir="off").local_level({"SLURM_TMPDIR": "/local/job1"}) is None
+    assert str(CheckpointConfig(local_dir="/dev/shm/ck").local_level({"SLURM_TMPDIR": "/x"})) == "/dev/shm/ck"
+    with pytest.raises(ConfigError, match="checkpoint.local_dir='rel/dir': must be an absolute path"):
+        CheckpointConfig(local_dir="rel/dir")
+    with pytest.raises(ConfigError, match="checkpoint.shared_wait_s=-1"):
+        CheckpointConfig(shared_wait_s=-1)
