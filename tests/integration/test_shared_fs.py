@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -275,3 +276,110 @@ def test_every_point_reaches_mlflow_from_a_runs_root_on_a_network_filesystem(mou
         assert r.info.status == "FINISHED"
         assert_one_point_per_step(client, r.info.run_id, "loss", range(1, 31))
         assert "final_loss" in r.data.metrics
+
+
+# --- two levels: a node-local first level, the shared level second (checkpoint.local_dir) ---------------------
+
+def _steps(folder: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in folder.iterdir() if p.name.startswith("step-")) if folder.is_dir() else []
+
+
+def _local_checkpoints(node: Path) -> Path:
+    return next(node.glob("gwenlake-checkpoints/run-*/checkpoints"))
+
+
+def _killed_after_local_seal(project, mount: Path, db: Path, model: str, node: Path, tmp_path: Path) -> Path:
+    """A start through ``mount`` with its local level in ``node``, SIGKILLed as the block of step 30's checkpoint
+    (32 MiB more than the others) ends: sealed on the local level, its copy to the shared level just begun. It
+    waits at step 29 until step 20 is on the shared level, so that level's newest is step 20. Returns the run
+    directory (through ``mount``)."""
+    reached, go = tmp_path / f"reached-{model}", tmp_path / f"go-{model}"
+    a = project.popen(*_job_args(mount, db, f"job.model={model}", f"checkpoint.local_dir={node}"),
+                      env={"GWL_TEST_SIGKILL_AFTER_CKPT": "30", "GWL_TEST_EXTRA_MB": "32:30",
+                           "GWL_TEST_PAUSE": f"29:{reached}:{go}"})
+    _wait_file(reached, proc=a)
+    run_dir = next((mount / "runs" / "t.model").glob(f"{model}-*"))
+    # seen on the server itself (fs/server beside the mounts fs/a and fs/b), not through a cached listing
+    _wait_file(mount.parent / "server" / "runs" / "t.model" / run_dir.name / "checkpoints" / "step-000000020", proc=a)
+    go.touch()
+    out, err = a.communicate(timeout=600)
+    assert a.returncode == -signal.SIGKILL, out + err
+    assert _steps(_local_checkpoints(node))[-1] == 30
+    return run_dir
+
+
+def test_a_kill_after_the_local_seal_resumes_from_it_on_that_node_and_from_the_shared_level_elsewhere(
+        mounts, project, tmp_path):
+    db = tmp_path / "mlflow.db"
+    node_a, node_b = tmp_path / "node-a", tmp_path / "node-b"
+    for model, mount, node in (("same", mounts.a, node_a), ("other", mounts.b, node_b)):
+        shutil.rmtree(node_a, ignore_errors=True)
+        run_dir = _killed_after_local_seal(project, mounts.a, db, model, node_a, tmp_path)
+        server = mounts.server / "runs" / "t.model" / run_dir.name
+        shared = _steps(server / "checkpoints")
+        assert shared == [10, 20], shared  # the kill came before step 30's copy was sealed
+        b = project.run(*_job_args(mount, db, f"job.model={model}", f"checkpoint.local_dir={node}"), check=0,
+                        timeout=600)
+        said = b.stdout + b.stderr
+        if model == "same":  # the same node: the newer local checkpoint, then copied to the shared level
+            assert "resuming from step 30 " in said and "resuming from the node-local level" in said, said
+        else:  # another node: its local level is empty, the shared level's newest
+            assert f"resuming from step {shared[-1]} ({mount / 'runs'}" in said, said
+        info = json.loads((server / "run.json").read_text())
+        assert info["completed"]["final_step"] == 60
+        # the copier copies the newest sealed local checkpoint (one sealed while a copy runs replaces an older
+        # one that waits), then keep=3 on both levels
+        copied = _steps(server / "checkpoints")
+        assert copied[-1] == 60 and len(copied) <= 3 and 10 not in copied, copied
+        assert json.loads((server / "checkpoints" / "LATEST.json").read_text())["step"] == 60
+        assert _steps(_local_checkpoints(node)) == [40, 50, 60]
+        levels = json.loads((server / "checkpoints" / "LEVELS.json").read_text())
+        assert levels["local_step"] == levels["shared_step"] == 60 and levels["copying"] is None
+        # the same digests on both levels
+        assert (server / "checkpoints" / "step-000000060" / "MANIFEST.json").read_bytes() == \
+            (_local_checkpoints(node) / "step-000000060" / "MANIFEST.json").read_bytes()
+
+
+def test_a_damaged_local_copy_falls_back_to_the_shared_level(mounts, project, tmp_path):
+    db = tmp_path / "mlflow.db"
+    node = tmp_path / "node-a"
+    run_dir = _killed_after_local_seal(project, mounts.a, db, "damaged", node, tmp_path)
+    shared = _steps(mounts.server / "runs" / "t.model" / run_dir.name / "checkpoints")
+    assert shared == [10, 20], shared
+    state = _local_checkpoints(node) / "step-000000030" / "state.safetensors"
+    raw = bytearray(state.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # a bit flipped on the node's disk: same size, its digest no longer matches
+    state.write_bytes(bytes(raw))
+    b = project.run(*_job_args(mounts.a, db, "job.model=damaged", f"checkpoint.local_dir={node}"), check=0,
+                    timeout=600)
+    said = b.stdout + b.stderr
+    assert "is damaged" in said, said
+    assert f"resuming from step {shared[-1]} ({mounts.a / 'runs'}" in said, said
+    assert list(_local_checkpoints(node).glob(".damaged-step-000000030-*"))
+    server = mounts.server / "runs" / "t.model" / run_dir.name
+    assert json.loads((server / "run.json").read_text())["completed"]["final_step"] == 60
+    assert _steps(server / "checkpoints")[-1] == 60
+
+
+def test_an_eviction_waits_for_the_shared_copy_within_its_bound_and_says_which_level(mounts, project, tmp_path):
+    db = tmp_path / "mlflow.db"
+    node = tmp_path / "node-a"
+    env = {"GWL_TEST_SIGTERM_AT": "35", "GWL_TEST_EXTRA_MB": "32"}
+    waited = project.run(*_job_args(mounts.a, db, "job.model=waits", f"checkpoint.local_dir={node}"), env=env,
+                         check=75, timeout=600)
+    said = waited.stdout + waited.stderr
+    run_dir = next((mounts.server / "runs" / "t.model").glob("waits-*"))
+    assert "newest checkpoint: step 36 on both levels" in said, said
+    assert _steps(run_dir / "checkpoints")[-1] == 36
+    # No time to wait (checkpoint.shared_wait_s=0): the start exits once the local seal is done, and says so.
+    quick = project.run(*_job_args(mounts.a, db, "job.model=quick", f"checkpoint.local_dir={node}",
+                                   "checkpoint.shared_wait_s=0"), env=env, check=75, timeout=600)
+    said = quick.stdout + quick.stderr
+    run_dir = next((mounts.server / "runs" / "t.model").glob("quick-*"))
+    assert "newest checkpoint: step 36 on the node-local level only" in said, said
+    assert "the shared level's newest is step" in said
+    # (the copy goes on in its thread while the start ends: it may still land before the process exits)
+    # The next start on this node resumes from the local one, and copies it up.
+    again = project.run(*_job_args(mounts.a, db, "job.model=quick", f"checkpoint.local_dir={node}"), check=0,
+                        timeout=600)
+    assert "resuming from step 36 " in again.stdout + again.stderr
