@@ -6,7 +6,9 @@
 #   bash scripts/slurm-cluster.sh down    # stop slurmd n1/n2, slurmctld, slurmdbd (munged and MariaDB stay)
 #   bash scripts/slurm-cluster.sh status  # sinfo + accounting connectivity
 #
-# Runs as root, without systemd (daemons are started directly and tracked by pid files).
+# Runs as root, without systemd (daemons are started directly and tracked by pid files). Each slurmd runs in a
+# mount namespace of its own (unshare -m, where allowed), so a test can mount a folder differently on each node
+# (tests/helpers/sshfs.py node_mounts: the runs root through one sshfs mount per node, as on a real cluster).
 # Partitions: low (default, PriorityTier=1) and high (PriorityTier=10); a high job preempts low jobs,
 # which are requeued (PreemptMode=REQUEUE). Requeued jobs carry a ~2 min BeginTime: as root,
 # `scontrol update jobid=N StartTime=now` lets them start again at once.
@@ -397,10 +399,18 @@ start_slurmctld() {
     ok "slurmctld (pid $(cat "$CTLD_PID" 2>/dev/null))"
 }
 
+own_mounts() {  # run "$@" in a mount namespace of its own where unshare may make one, else as it is
+    if command -v unshare >/dev/null && unshare -m true 2>/dev/null; then
+        unshare -m --propagation slave "$@"
+    else
+        "$@"
+    fi
+}
+
 start_slurmds() {
     local n
     for n in "${NODES[@]}"; do
-        pid_alive "$RUN/slurmd-$n.pid" slurmd || /usr/sbin/slurmd -N "$n" || fail "slurmd -N $n does not start"
+        pid_alive "$RUN/slurmd-$n.pid" slurmd || own_mounts /usr/sbin/slurmd -N "$n" || fail "slurmd -N $n does not start"
     done
     local deadline=$((SECONDS + 90)) resumed=0 states
     until nodes_up; do

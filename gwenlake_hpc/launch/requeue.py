@@ -51,6 +51,8 @@ from pathlib import Path
 
 #: The exit status of an evicted training (:data:`gwenlake_hpc.base.errors.EXIT_EVICTED`; a test checks they agree).
 EXIT_EVICTED = 75
+#: The exit status of a start that refused its settings or its run (:data:`gwenlake_hpc.base.errors.EXIT_USAGE`).
+EXIT_USAGE = 2
 #: ``launcher.max_starts`` by default: starts of one job in all, progress or not.
 DEFAULT_MAX_STARTS = 100
 #: The job's own record in ``<run dir>/slurm/<job>/`` (see :func:`record_path`).
@@ -123,6 +125,9 @@ def decide(rc: int, restarts: int, max_retries: int, remaining_s: int | None, si
             return _budget(f"job step killed by SIGUSR2 with {remaining_s} s left (the warning came before its "
                            "handlers existed)", restarts, max_retries, stalled, max_starts)
         return Decision("leave", f"evicted with {remaining_s} s left: a preemption or a cancel, SLURM decides")
+    if rc == EXIT_USAGE:
+        return Decision("fail", "the start refused its settings or its run (exit 2: the log above names the setting "
+                                "or the start that holds the run): not requeued")
     if rc > 128 or rc < 0:
         sig = rc - 128 if rc > 128 else -rc
         if hang is not None:

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..base import rules
 from ..job.config_typed import launcher_node, typed_launcher
-from ..base.errors import EXIT_EVICTED, ConfigError, GwenlakeError
+from ..base.errors import EXIT_EVICTED, EXIT_USAGE, ConfigError, GwenlakeError
 from .records import record_job
 
 log = logging.getLogger("gwenlake_hpc.launch.slurm")
@@ -70,9 +70,9 @@ class SlurmEntry:
         result = execute(cfg, stop=stop)
         if result.exit_code == 0:
             return {"version": result.version, "run_dir": str(result.run_dir), "final_step": result.final_step}
-        if result.exit_code == EXIT_EVICTED:
+        if result.exit_code in (EXIT_EVICTED, EXIT_USAGE):  # 2: the message is logged, no traceback on top
             sys.stdout.flush()
-            raise SystemExit(EXIT_EVICTED)
+            raise SystemExit(result.exit_code)
         raise RuntimeError(f"the training failed with exit status {result.exit_code}; see the log above")
 
 

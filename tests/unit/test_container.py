@@ -262,10 +262,10 @@ def test_a_changed_image_warns_or_is_refused_when_pinned(caplog):
 
 
 def test_requeue_module_runs_standalone_with_the_same_exit_status():
-    from gwenlake_hpc.base.errors import EXIT_EVICTED
+    from gwenlake_hpc.base.errors import EXIT_EVICTED, EXIT_USAGE
     from gwenlake_hpc.launch import requeue
 
-    assert requeue.EXIT_EVICTED == EXIT_EVICTED
+    assert requeue.EXIT_EVICTED == EXIT_EVICTED and requeue.EXIT_USAGE == EXIT_USAGE
 
 
 def test_decorator_image_is_the_default_the_config_overrides():

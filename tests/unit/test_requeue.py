@@ -34,6 +34,9 @@ def test_decisions():
     assert d.action == "fail" and "signal 9" in d.reason
     assert decide(0, 0, 3, None, 120).action == "done"
     assert decide(1, 0, 3, None, 120).action == "fail"
+    # a start that refused its settings or its run (another start holds it, a fence): never requeued
+    d = decide(2, 0, 3, None, 120)
+    assert d.action == "fail" and "exit 2" in d.reason and "traceback" not in d.reason
     # a scancel or preemption near the time limit: the job is no longer RUNNING, SLURM decides (no requeue
     # of a cancelled job, no second requeue of a preempted one)
     assert decide(75, 0, 3, 40, 30, state="RUNNING").action == "requeue"
