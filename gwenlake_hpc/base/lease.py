@@ -44,6 +44,7 @@ from typing import Any, Callable, Mapping
 
 from .errors import ConfigError
 from .fsutil import write_atomic
+from .processes import pid_gone
 
 log = logging.getLogger("gwenlake_hpc.lease")
 
@@ -146,16 +147,10 @@ def pid_namespace() -> str:
         return ""
 
 
-def _pid_gone(holder: Holder) -> bool:
-    if holder.host != socket.gethostname() or holder.pid <= 0 or holder.pidns != _PIDNS:
-        return False
-    try:
-        os.kill(holder.pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+def holder_gone(holder: Holder) -> bool:
+    """True when ``holder``'s process ran on this host, in this pid namespace, and is gone; False when it may
+    live (another host or namespace, where this process cannot see it)."""
+    return holder.host == socket.gethostname() and holder.pidns == _PIDNS and pid_gone(holder.pid)
 
 
 class Lease:
@@ -208,7 +203,7 @@ class Lease:
             now = time.monotonic()
             if holder.raw != last:
                 last, since = holder.raw, now
-            if _pid_gone(holder):
+            if holder_gone(holder):
                 self._break(holder, f"its process {holder.pid} on {holder.host} is gone")
                 continue
             # A record without a token (empty: its creator died before writing it; or damaged) is judged sooner:

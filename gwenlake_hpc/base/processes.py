@@ -1,4 +1,5 @@
-"""Child processes of a job step that SLURM's stop signals must not kill (git, the tracking delivery process).
+"""Child processes of a job step that SLURM's stop signals must not kill (git, the tracking delivery process), and
+whether a process named by a record (a run's lease or lock) is gone.
 
 Standard library only, so that the stores (git, tracking) shield their children without importing the Run's
 eviction signals (:mod:`gwenlake_hpc.runtime.signals`).
@@ -7,6 +8,7 @@ eviction signals (:mod:`gwenlake_hpc.runtime.signals`).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 from typing import Iterator
 
@@ -30,3 +32,17 @@ def shield_children(signals: tuple[int, ...] = SLURM_SIGNALS) -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def pid_gone(pid: int) -> bool:
+    """True when no process of this pid namespace has ``pid`` (``kill(pid, 0)`` says so); False when one has it,
+    or one of another user does (``EPERM``), or ``pid`` is no pid (<= 0)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

@@ -34,12 +34,12 @@ from ..base.errors import (EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, N
 from .finish import JobResult, Start, finish
 from ..base.fsutil import read_json, write_json_atomic
 from ..base.lease import DEFAULT_TIMEOUT_S as DEFAULT_LEASE_TIMEOUT_S
-from ..base.lease import Lease, read_holder
+from ..base.lease import Lease, holder_gone, read_holder
 from .arguments import bind_arguments
 from .plan import JobPlan, open_inputs, plan
 from .resume import finished_with, resume_point, retry_after_damaged_load
 from .run_environment import check_same_image, container_start
-from ..base.processes import shield_children
+from ..base.processes import pid_gone, shield_children
 from ..runtime import ledger as ledgers
 from ..runtime.signals import StopRequest
 from ..stores.tracking import NullTracker, Tracker, flatten, is_sqlite, state_dir_for, user_mlflow
@@ -244,24 +244,14 @@ class RunLock:
         The run's lease, when there is one, names the holder (a lease released at a start's end is gone)."""
         lease = read_holder(run_dir)
         if lease is not None and lease.token:
-            host, pid = lease.host, lease.pid
-        else:
-            try:
-                m = re.fullmatch(r"pid (\d+) on (\S+)", (run_dir / ".lock").read_text().strip())
-            except OSError:
-                return False
-            if m is None:
-                return False
-            host, pid = m.group(2), int(m.group(1))
-        if host != socket.gethostname():
-            return True
+            return not holder_gone(lease)
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            m = re.fullmatch(r"pid (\d+) on (\S+)", (run_dir / ".lock").read_text().strip())
+        except OSError:
             return False
-        except PermissionError:
-            return True
-        return True
+        if m is None:
+            return False
+        return m.group(2) != socket.gethostname() or not pid_gone(int(m.group(1)))
 
 
 def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Dist) -> JobResult:
