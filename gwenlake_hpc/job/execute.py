@@ -202,7 +202,7 @@ class RunLock:
             # last about 90 s): wait for it there; locally, a second process is refused at once.
             requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
             wait_s = max(180.0, 2.0 * float(lease_timeout_s)) if requeued else 0.0
-        self._fh = open(run_dir / ".lock", "a+")
+        self._fh = _open_lock(run_dir)
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -254,6 +254,32 @@ class RunLock:
         return m.group(2) != socket.gethostname() or not pid_gone(int(m.group(1)))
 
 
+#: Seconds a start retries its run directory that this node's cache shows but the server no longer has (deleted
+#: from another node): NFS's ``acdirmax`` is 60 s by default.
+STALE_DIR_WAIT_S = 90.0
+
+
+def _open_lock(run_dir: Path) -> Any:
+    """Open ``<run_dir>/.lock``, making the folder. A folder deleted on the shared filesystem from elsewhere that
+    this node's cache still shows cannot be made again until the cache expires: retried for
+    :data:`STALE_DIR_WAIT_S`.
+
+    Raises:
+        ConfigError: still not possible after that.
+    """
+    deadline = time.monotonic() + STALE_DIR_WAIT_S
+    while True:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            return open(run_dir / ".lock", "a+")
+        except FileNotFoundError as exc:
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"cannot make the run directory {run_dir} ({exc.strerror}): this node's cache of "
+                                  "the shared filesystem still shows a folder deleted elsewhere; run the job again "
+                                  "in a minute") from None
+            time.sleep(1.0)
+
+
 def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Dist) -> JobResult:
     info_path = p.run_dir / "run.json"
     info = _run_record(p, info_path)
@@ -261,7 +287,7 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     if done is not None:
         return _already_finished(p, done, d)
     # job.resume=never, job.steps below the newest checkpoint, a newest checkpoint this node cannot see yet
-    point = resume_point(p, float(p.settings.checkpoint.visible_wait_s), _local_level(p))
+    point = resume_point(p, float(p.settings.checkpoint.visible_wait_s), _local_level(p, info))
     if d.is_main:
         log.info("resume point: %s", point.why)
     past = ledgers.summarize(ledgers.read_ledger(p.run_dir))  # the earlier starts (before this one's file exists)
@@ -282,11 +308,15 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
             ledger.end(reason, stop.received_at, stop.reason)
 
 
-def _local_level(p: JobPlan) -> Path | None:
+def _local_level(p: JobPlan, info: Mapping[str, Any]) -> Path | None:
     """The run's folder on this node's local level of checkpoints (``checkpoint.local_dir``, else
-    ``$SLURM_TMPDIR``), or None when off."""
+    ``$SLURM_TMPDIR``), or None when off; ``info``: the run's record, whose ``uid`` keys the folder to this run
+    directory."""
     base = p.settings.checkpoint.local_level()
-    return local_root(base, p.run_dir, p.key) if base is not None else None
+    if base is None and p.settings.checkpoint.local_dir is None and os.environ.get("SLURM_TMPDIR"):
+        log.warning("SLURM_TMPDIR=%s is not an absolute path: no node-local checkpoint level (set "
+                    "checkpoint.local_dir, or checkpoint.local_dir=off to silence this)", os.environ["SLURM_TMPDIR"])
+    return local_root(base, p.run_dir, p.key, str(info.get("uid") or "")) if base is not None else None
 
 
 def _start_ledger(p: JobPlan, info: Mapping[str, Any], d: Dist) -> Any:
@@ -456,7 +486,7 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
                        heartbeat=heartbeat, slow_rank_factor=float(p.settings.job.slow_rank_factor),
                        on_loop_start=lambda first: _record_first_step(start, first, d), ledger=start.ledger,
                        mtbf_s=start.mtbf_s, max_eval_interval_s=float(p.settings.job.max_eval_interval_s),
-                       local_dir=_local_level(p), shared_wait_s=float(p.settings.checkpoint.shared_wait_s))
+                       local_dir=_local_level(p, start.info), shared_wait_s=float(p.settings.checkpoint.shared_wait_s))
         except BaseException:
             tracker.close()
             raise

@@ -125,6 +125,7 @@ def finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
         tracker.finish("FAILED", timeout_s=finish_timeout)
         return JobResult(EXIT_FAILED, None, p.run_dir, run.step)
     repo, version = committed
+    run.release_local_level()  # the version is committed: no node needs this run's local checkpoints now
     # Registry, alias 'candidate', push: each failure only logs a warning (after_commit never raises).
     # The MLflow registration is deferred to the delivery process (MLflow is loaded there, not here).
     _complete(p, run, start, after_commit(

@@ -265,6 +265,7 @@ def plan(cfg: DictConfig | Mapping[str, Any], cache: PlanCache | None = None) ->
         tracking_uri = validate_uri(settings.tracking.uri) if settings.tracking.uri else default_uri(runs_root)
     repo_path = _path_setting("paths.model_repo", paths.model_repo) if paths.model_repo is not None else None
     _check_paths(runs_root, data_root, repo_path, tracking_uri)
+    _check_local_dir(settings.checkpoint.local_dir, runs_root)
     if tf.prepare is not None:
         tf.prepare(catalog, config_obj)
 
@@ -326,6 +327,22 @@ def _path_setting(key: str, value: Any) -> Path:
         return Path(str(value)).expanduser().resolve()
     except (RuntimeError, OSError) as exc:  # RuntimeError: a symlink loop
         raise ConfigError(f"{key}={value!r} cannot be resolved ({exc}): point it to a real folder") from None
+
+
+def _check_local_dir(local_dir: str | None, runs_root: Path) -> None:
+    """Refuse a ``checkpoint.local_dir`` on the shared level: inside ``paths.runs_root`` (a run directory, its
+    output, its checkpoints), where a "local" level is neither local nor out of the way of what a run publishes.
+
+    Raises:
+        ConfigError: naming both settings.
+    """
+    if local_dir in (None, "off"):
+        return
+    local, root = Path(local_dir).resolve(), runs_root.resolve()
+    if local == root or root in local.parents:
+        raise ConfigError(f"checkpoint.local_dir={local_dir} is inside paths.runs_root={runs_root}: the local level "
+                          "belongs on the node's own disk or RAM disk (e.g. /tmp/ckpt, /dev/shm/ckpt, "
+                          "$SLURM_TMPDIR), outside the shared run directories; or use checkpoint.local_dir=off")
 
 
 def _check_paths(runs_root: Path, data_root: Path, repo_path: Path | None, tracking_uri: str | None) -> None:

@@ -49,7 +49,7 @@ def print_status(runs_root: Path, include_old: bool = False) -> int:
               + (f"  on {r['cluster']}" if r.get("cluster") else "")
               + (f"  ended by {s.ended_by}: {s.reason}" if s.ended_by else "")
               + (f"  {live}" if s.state == "RUNNING" and (live := live_facts(Path(r["run_dir"]))) else "")
-              + (f"  {lv}" if (lv := levels_facts(Path(r["run_dir"]))) else "")
+              + (f"  {lv}" if (lv := levels_facts(Path(r["run_dir"]), s.state not in FINAL_STATES)) else "")
               + (f"  {gp}" if (gp := goodput_facts(Path(r["run_dir"]), s.state,
                                                    None if r.get("cluster") else s.job_id)) else ""))
     return 0

@@ -188,16 +188,18 @@ def lost_node_starts(job_id: str, run_dir: Path, run=_run) -> set[int]:
             if str(r.get("slurm_job_id")) == str(job_id) and int(r.get("slurm_restart_count") or 0) in failed}
 
 
-def levels_facts(run_dir: Path) -> str:
+def levels_facts(run_dir: Path, live: bool = True) -> str:
     """The two levels of the run's checkpoints as its copier last recorded them (``checkpoints/LEVELS.json``,
     :mod:`gwenlake_hpc.stores.checkpoints.levels`): ``levels: step 40 local (n1) and shared`` or ``levels: local
-    step 40 on n1, shared step 30, copying step 40``; "" for a run without a node-local level."""
+    step 40 on n1, shared step 30, copying step 40``; "" for a run without a node-local level. ``live``: a start of
+    the run may be running (else a copy the record names in flight was cut short, and is not shown)."""
     from ..stores.checkpoints.levels import levels_record
 
     rec = levels_record(run_dir / "checkpoints")
     if rec is None:
         return ""
     local, shared, copying, host = rec.get("local_step"), rec.get("shared_step"), rec.get("copying"), rec.get("host")
+    copying = copying if live else None
     if local == shared and copying is None:
         return f"levels: step {shared} local ({host}) and shared"
     return (f"levels: local step {local} on {host}, shared step {'none' if shared is None else shared}"

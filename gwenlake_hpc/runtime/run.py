@@ -27,7 +27,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping
 
 from ..base import rules
 from ..stores.checkpoints import Checkpoint, CheckpointStore
-from ..stores.checkpoints.levels import DEFAULT_SHARED_WAIT_S, SharedCopier, local_store
+from ..stores.checkpoints.levels import LEVELS, DEFAULT_SHARED_WAIT_S, SharedCopier, drop_local, local_store
 from ..stores.checkpoints.resume import RESUME_CHOICES, resume_from
 from ..stores.checkpoints.writer import async_default
 from .distributed import Dist
@@ -140,6 +140,7 @@ class Run:
         self.checkpoint_async = async_default() if checkpoint_async is None else bool(checkpoint_async)
         self.store = CheckpointStore(self.run_dir / "checkpoints", run_key)
         self._shared_wait_s = float(shared_wait_s)
+        self._copy_resumed: Checkpoint | None = None  # a local checkpoint resumed from, to copy when the loop begins
         self._local = self._local_level(local_dir)
         latest = self._choose_checkpoint(resume)
         self._resumed_from: Checkpoint | None = latest
@@ -198,32 +199,50 @@ class Run:
         return latest
 
     def _local_level(self, local_dir: Path | None) -> CheckpointStore | None:
-        """The store of the node-local first level (rank 0 makes its folder), or None: off, or ranks on several
-        nodes (a checkpoint of several nodes' ranks is one folder every rank writes into: the shared one)."""
-        if local_dir is None:
-            return None
+        """The store of the node-local first level (rank 0 makes its folder; every rank takes rank 0's path), or
+        None: off, or ranks on several nodes (a checkpoint of several nodes' ranks is one folder they all write
+        into: the shared one). Without a local level, rank 0 removes a levels' record an earlier start left."""
         if self.dist.enabled:
+            local_dir = self.dist.broadcast(local_dir)
             host = socket.gethostname()
-            if self.dist.any(self.dist.broadcast(host) != host):
+            if local_dir is not None and self.dist.any(self.dist.broadcast(host) != host):
                 if self.is_main:
                     log.info("checkpoint.local_dir is not used: this run's ranks are on several nodes, and each "
                              "checkpoint is one folder they all write into (the shared level)")
-                return None
+                local_dir = None
+        if local_dir is None:
+            if self.is_main:
+                (self.store.root / LEVELS).unlink(missing_ok=True)  # no local level now: nothing to show
+            return None
         if self.is_main:
             return local_store(Path(local_dir), self.run_dir, self.run_key)
         return CheckpointStore(Path(local_dir) / "checkpoints", self.run_key)
 
     def _copier(self, latest: Checkpoint | None) -> SharedCopier | None:
-        """Rank 0's copier to the shared level (with a local level); a resume from a local checkpoint newer than
-        the shared level's newest queues its copy at once."""
+        """Rank 0's copier to the shared level (with a local level). A resume from a local checkpoint newer than
+        the shared level's newest has it copied once the loop begins (after the training loaded it: a file
+        damaged since its seal is found by ``load_state`` first)."""
         if self._local is None or not self.is_main:
             return None
         shared = self.store.complete()
         copier = SharedCopier(self._local, self.store, shared[-1].step if shared else None)
         if latest is not None and latest.path.parent == self._local.root and \
                 (copier.shared_step is None or latest.step > copier.shared_step):
-            copier.submit(latest, None)
+            self._copy_resumed = latest
         return copier
+
+    def release_local_level(self) -> None:
+        """At the end of a run whose version is committed (rank 0; the job calls it): wait for the copy of the
+        newest checkpoint, then remove the run's local level, so no node keeps a finished run's checkpoints.
+        Nothing when the shared level lacks the newest (a failed copy: the local one stays for a resume)."""
+        checkpoints = self._checkpoints
+        copier = checkpoints.copier
+        if copier is None or self._local is None:
+            return
+        checkpoints.wait(raise_error=False)
+        newest = checkpoints.latest
+        if newest is None or (copier.shared_step is not None and copier.shared_step >= newest.step):
+            drop_local(self._local, self.store)
 
     @property
     def is_main(self) -> bool:
@@ -386,6 +405,9 @@ class Run:
         if self._iterated:
             raise RuntimeError("run.steps() can be iterated once per training")
         self._iterated = True
+        if self._copy_resumed is not None and self._checkpoints.copier is not None:
+            self._checkpoints.copier.submit(self._copy_resumed, None)  # the training has loaded it by now
+            self._copy_resumed = None
         if fixed is not None:
             rules.whole_number("run.steps(total=)", fixed, 0)
             self._steps_setting, self.epochs = int(fixed), None

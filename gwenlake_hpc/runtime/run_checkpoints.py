@@ -185,10 +185,10 @@ class RunCheckpoints:
             return f"step {ck.step} on both levels ({copier.shared.root / ck.path.name})"
         import socket
 
-        return (f"step {ck.step} on the node-local level only ({socket.gethostname()}:{ck.path}; its copy to the "
-                f"shared level did not finish in time); the shared level's newest is "
-                f"{'step ' + str(shared) if shared is not None else 'none'}: a start on this node resumes from the "
-                "local one, a start on another node from the shared one")
+        return (f"step {ck.step} sealed on the node-local level ({socket.gethostname()}:{ck.path}); its copy to the "
+                "shared level was not done within checkpoint.shared_wait_s (it goes on while this process ends), "
+                f"so the shared level's newest may stay {'step ' + str(shared) if shared is not None else 'none'}: a "
+                "start on this node resumes from the local one, a start on another node from the shared one")
 
     @contextlib.contextmanager
     def checkpoint(self, step: int, keep: int | None, asynchronous: bool, state: Callable[[], dict[str, Any]],

@@ -332,12 +332,25 @@ def test_a_kill_after_the_local_seal_resumes_from_it_on_that_node_and_from_the_s
         copied = _steps(server / "checkpoints")
         assert copied[-1] == 60 and len(copied) <= 3 and 10 not in copied, copied
         assert json.loads((server / "checkpoints" / "LATEST.json").read_text())["step"] == 60
-        assert _steps(_local_checkpoints(node)) == [40, 50, 60]
-        levels = json.loads((server / "checkpoints" / "LEVELS.json").read_text())
-        assert levels["local_step"] == levels["shared_step"] == 60 and levels["copying"] is None
-        # the same digests on both levels
-        assert (server / "checkpoints" / "step-000000060" / "MANIFEST.json").read_bytes() == \
-            (_local_checkpoints(node) / "step-000000060" / "MANIFEST.json").read_bytes()
+        # the version is committed and the newest is on the shared level: the node keeps nothing of the run,
+        # and status has no levels to show
+        assert not list(node.glob("gwenlake-checkpoints/run-*")), list(node.rglob("*"))
+        assert not (server / "checkpoints" / "LEVELS.json").exists()
+
+
+def test_a_run_directory_deleted_and_made_anew_does_not_resume_from_a_node(mounts, project, tmp_path):
+    """The adversarial pass's input: a finished run's directory deleted by hand, the same job run again: it
+    resumed from the node-local level (and committed a version of nothing trained)."""
+    db = tmp_path / "mlflow.db"
+    node = tmp_path / "node-a"
+    run_dir = _killed_after_local_seal(project, mounts.a, db, "anew", node, tmp_path)
+    shutil.rmtree(run_dir)  # by hand, on this node (through its mount)
+    again = project.run(*_job_args(mounts.a, db, "job.model=anew", f"checkpoint.local_dir={node}"), check=0,
+                        timeout=600)
+    said = again.stdout + again.stderr
+    assert "no checkpoint of this run" in said and "resuming from" not in said, said
+    info = json.loads((mounts.server / "runs" / "t.model" / run_dir.name / "run.json").read_text())
+    assert info["completed"]["final_step"] == 60 and len(info["starts"]) == 1
 
 
 def test_a_damaged_local_copy_falls_back_to_the_shared_level(mounts, project, tmp_path):
@@ -355,7 +368,7 @@ def test_a_damaged_local_copy_falls_back_to_the_shared_level(mounts, project, tm
     said = b.stdout + b.stderr
     assert "is damaged" in said, said
     assert f"resuming from step {shared[-1]} ({mounts.a / 'runs'}" in said, said
-    assert list(_local_checkpoints(node).glob(".damaged-step-000000030-*"))
+    assert "set aside as .damaged-step-000000030-" in said
     server = mounts.server / "runs" / "t.model" / run_dir.name
     assert json.loads((server / "run.json").read_text())["completed"]["final_step"] == 60
     assert _steps(server / "checkpoints")[-1] == 60
@@ -376,8 +389,8 @@ def test_an_eviction_waits_for_the_shared_copy_within_its_bound_and_says_which_l
                                    "checkpoint.shared_wait_s=0"), env=env, check=75, timeout=600)
     said = quick.stdout + quick.stderr
     run_dir = next((mounts.server / "runs" / "t.model").glob("quick-*"))
-    assert "newest checkpoint: step 36 on the node-local level only" in said, said
-    assert "the shared level's newest is step" in said
+    assert "newest checkpoint: step 36 sealed on the node-local level" in said, said
+    assert "was not done within checkpoint.shared_wait_s" in said and "the shared level's newest may stay step" in said
     # (the copy goes on in its thread while the start ends: it may still land before the process exits)
     # The next start on this node resumes from the local one, and copies it up.
     again = project.run(*_job_args(mounts.a, db, "job.model=quick", f"checkpoint.local_dir={node}"), check=0,

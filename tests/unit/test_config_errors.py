@@ -114,6 +114,11 @@ def trained(tmp_path_factory):
     (["+job=t", "job.steps=99999999999999999999999"], "job.steps"),
     (["+job=t", "job.model=modèle"], "job.model='modèle'"),  # Hydra's lexer refuses it unquoted: say how
     (["+job=t", "paths.runs_root='ru\nns'"], "holds control characters"),
+    (["+job=t", "checkpoint.local_dir=rel/dir"], "checkpoint.local_dir='rel/dir': must be an absolute path"),
+    (["+job=t", "checkpoint.shared_wait_s=-1"], "checkpoint.shared_wait_s=-1"),
+    # the adversarial pass's input: a "local" level inside the runs root (published with the model's output)
+    (["+job=t", "paths.runs_root=/tmp", "checkpoint.local_dir=/tmp/run/output"],
+     "checkpoint.local_dir=/tmp/run/output is inside paths.runs_root=/tmp"),
     (["+job=t", "statsd.port=70000"], "statsd.port=70000 is not a UDP port"),
     (["+job=t", "statsd.port=x"], "statsd.port"),  # the schema's type check
     (["+job=t", "statsd.prefix='a:b'"], "statsd.prefix='a:b'"),

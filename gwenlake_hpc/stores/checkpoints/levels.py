@@ -5,7 +5,8 @@ a node-local disk or RAM disk first, so the loop and an eviction's grace window 
 thread then copies it to ``<run_dir>/checkpoints`` and seals it there. Responsibilities of this module:
 
 - where a run's local level lies: ``<local_dir>/gwenlake-checkpoints/run-<digest>/checkpoints``, the digest of
-  the run directory's absolute path and run key, so two runs never share one, and no run name becomes a path
+  the run directory's absolute path, run key and ``run.json`` uid, so two runs never share one (nor a run
+  directory deleted and made anew with the old one), and no run name becomes a path
   (:func:`local_store`); ``LEVEL.json`` beside it names the host, run directory and run key;
 - the copy (:func:`copy_to_shared`): each file streamed into a partial directory of the shared level, its digest
   computed on the way and compared with the local manifest (a local copy damaged since its seal is never
@@ -54,8 +55,10 @@ DEFAULT_SHARED_WAIT_S = 20.0
 COPY_CHUNK = 8 << 20
 
 
-def local_root(local_dir: str | os.PathLike, run_dir: str | os.PathLike, run_key: str) -> Path:
-    """The folder of run ``run_key`` (in ``run_dir``) on the node-local level ``local_dir``.
+def local_root(local_dir: str | os.PathLike, run_dir: str | os.PathLike, run_key: str, uid: str = "") -> Path:
+    """The folder of run ``run_key`` (in ``run_dir``) on the node-local level ``local_dir``. ``uid``: the run
+    directory's own id (``run.json``'s ``uid``), so a run directory deleted and made anew never resumes from
+    what the old one left on a node.
 
     Raises:
         ConfigError: ``local_dir`` is not an absolute path.
@@ -64,7 +67,7 @@ def local_root(local_dir: str | os.PathLike, run_dir: str | os.PathLike, run_key
     if not base.is_absolute():
         raise ConfigError(f"checkpoint.local_dir={local_dir}: must be an absolute path to a node-local disk or RAM "
                           "disk (e.g. /tmp or $SLURM_TMPDIR), or off")
-    digest = hashlib.sha256(f"{Path(run_dir).absolute()}\0{run_key}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(f"{Path(run_dir).absolute()}\0{run_key}\0{uid}".encode()).hexdigest()[:16]
     return base / "gwenlake-checkpoints" / f"run-{digest}"
 
 
@@ -114,7 +117,7 @@ def _copy_file(src: Path, dst: Path, entry: dict[str, Any], algorithm: str) -> N
             size += n
         os.fsync(fout.fileno())
     if size != int(entry["size"]) or h.hexdigest() != want:
-        raise CheckpointError(f"{src} does not match its manifest ({size} bytes, {entry['size']} recorded, or its "
+        raise DamagedLocalCopy(f"{src} does not match its manifest ({size} bytes, {entry['size']} recorded, or its "
                               f"{alg} digest differs): the local copy is damaged; it is not copied to the shared level")
 
 
@@ -156,6 +159,10 @@ def copy_to_shared(ck: Checkpoint, shared: CheckpointStore) -> Checkpoint:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return Checkpoint(final, ck.step, ck.manifest)
+
+
+class DamagedLocalCopy(CheckpointError):
+    """A file of a sealed local checkpoint no longer matches its manifest: the copy is not published."""
 
 
 class SharedCopier:
@@ -220,6 +227,11 @@ class SharedCopier:
                 self._record(copying=None)
                 if self.on_copied is not None:
                     self.on_copied(done)
+            except DamagedLocalCopy as exc:  # the node's copy rotted: set aside; the next checkpoint is copied
+                moved = self.local.set_aside_if_damaged(ck.path, str(exc)) if ck.path.is_dir() else None
+                log.warning("checkpoint %s on the local level is damaged (%s); set aside as %s, not copied to the "
+                            "shared level (its newest stays step %s)", ck.path.name, exc, moved.name if moved else "?",
+                            self.shared_step)
             except BaseException as exc:  # kept for the training thread
                 log.error("the copy of checkpoint %s to the shared level failed: %s", ck.path.name, exc)
                 with self._lock:
@@ -270,6 +282,13 @@ class SharedCopier:
                     return False
                 self._lock.wait(left if left is None else min(left, 1.0))
         return True
+
+
+def drop_local(local: CheckpointStore, shared: CheckpointStore) -> None:
+    """Remove a run's local level (its folder, ``LEVEL.json`` included) and the levels' record: at the end of a
+    run whose newest checkpoint is on the shared level, so no node keeps a finished run's checkpoints."""
+    shutil.rmtree(local.root.parent, ignore_errors=True)
+    (shared.root / LEVELS).unlink(missing_ok=True)
 
 
 def levels_record(shared_root: Path) -> dict[str, Any] | None:

@@ -46,13 +46,16 @@ def resume_from(store: CheckpointStore, resume: str, *, verify: bool, wait_s: fl
                               "deleted: move them away or use job.resume=auto")
         return None
     far = existing[-1].step if existing else -1
-    if local is not None and near and near[-1].step > far:
-        ck = local.latest() if verify else near[-1]
-        if ck is not None and ck.step > far:
-            return ck
+    mine = (local.latest() if verify else near[-1]) if local is not None and near else None
+    if mine is not None and mine.step > far:
+        return mine
     if not existing:
         return None
-    return store.latest() if verify else existing[-1]
+    shared = store.latest() if verify else existing[-1]
+    # the shared newest damaged and set aside: an intact local one newer than what is left wins
+    if mine is not None and (shared is None or mine.step > shared.step):
+        return mine
+    return shared
 
 
 def resume_from_nothing(resume: str) -> None:
