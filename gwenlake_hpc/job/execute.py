@@ -25,12 +25,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..authoring.api import Input, Model
 from ..stores.checkpoints import DamagedFileError
-from ..stores.checkpoints.levels import local_root
+from ..stores.checkpoints import CheckpointStore
+from ..stores.checkpoints.levels import local_levels, local_root, sweep
 from ..runtime.distributed import Dist
 from ..runtime.distributed import setup as setup_distributed
 from ..runtime.distributed import teardown as teardown_distributed
-from ..base.errors import (EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, NonFiniteError, StartLimitError,
-                           as_config_error)
+from ..base.errors import (EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, GwenlakeError, NonFiniteError,
+                           StartLimitError, as_config_error)
 from .finish import JobResult, Start, finish
 from ..base.fsutil import read_json, write_json_atomic
 from ..base.lease import DEFAULT_TIMEOUT_S as DEFAULT_LEASE_TIMEOUT_S
@@ -287,9 +288,12 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     if done is not None:
         return _already_finished(p, done, d)
     # job.resume=never, job.steps below the newest checkpoint, a newest checkpoint this node cannot see yet
-    point = resume_point(p, float(p.settings.checkpoint.visible_wait_s), _local_level(p, info))
+    local = _local_level(p, info)
+    point = resume_point(p, float(p.settings.checkpoint.visible_wait_s), local)
     if d.is_main:
         log.info("resume point: %s", point.why)
+        if local is not None:
+            _sweep_local_levels(local)
     past = ledgers.summarize(ledgers.read_ledger(p.run_dir))  # the earlier starts (before this one's file exists)
     container = _record_start(p, info, info_path, d)
     ledger = _start_ledger(p, info, d)
@@ -316,7 +320,42 @@ def _local_level(p: JobPlan, info: Mapping[str, Any]) -> Path | None:
     if base is None and p.settings.checkpoint.local_dir is None and os.environ.get("SLURM_TMPDIR"):
         log.warning("SLURM_TMPDIR=%s is not an absolute path: no node-local checkpoint level (set "
                     "checkpoint.local_dir, or checkpoint.local_dir=off to silence this)", os.environ["SLURM_TMPDIR"])
+    if base is not None and p.settings.checkpoint.local_dir is None and \
+            (base.resolve() == p.runs_root.resolve() or p.runs_root.resolve() in base.resolve().parents):
+        log.warning("SLURM_TMPDIR=%s is inside paths.runs_root=%s: no node-local checkpoint level (set "
+                    "checkpoint.local_dir to a node-local path, or checkpoint.local_dir=off)", base, p.runs_root)
+        return None
     return local_root(base, p.run_dir, p.key, str(info.get("uid") or "")) if base is not None else None
+
+
+def _sweep_local_levels(mine: Path) -> None:
+    """Remove what other runs left on this node's local level (best effort, rank 0, before training): a folder
+    of a run directory that is gone or was made anew (another ``run.json`` uid), or of a run whose shared level
+    holds everything it has (finished, or trained on with ``checkpoint.local_dir=off``). A folder a process holds
+    (:func:`~gwenlake_hpc.stores.checkpoints.levels.in_use`) is never touched; one whose newest checkpoint the
+    shared level lacks (an eviction before its copy) stays for that run's next start on this node."""
+    base = mine.parent.parent
+    for folder, level in local_levels(base):
+        if folder == mine:
+            continue
+        try:
+            run_dir, key = Path(str(level.get("run_dir") or "")), str(level.get("run_key") or "")
+            info = read_json(run_dir / "run.json", default=None) if run_dir.is_absolute() else None
+            uid = info.get("uid") if isinstance(info, dict) else None
+            why = "its run directory is gone" if uid is None else \
+                "its run directory was made anew" if local_root(base, run_dir, key, str(uid)) != folder else None
+            if why is None:
+                near = CheckpointStore(folder / "checkpoints", key).complete() if (folder / "checkpoints").is_dir() \
+                    else []
+                far = CheckpointStore(run_dir / "checkpoints", key).complete() \
+                    if (run_dir / "checkpoints").is_dir() else []
+                if near and (not far or far[-1].step < near[-1].step):
+                    continue  # it has what the shared level lacks
+                why = "the shared level holds all it has"
+            if sweep(folder):
+                log.info("removed %s from the node-local checkpoint level: %s (run %s)", folder, why, run_dir)
+        except (OSError, ValueError, GwenlakeError) as exc:  # another run's files: never a reason to fail this one
+            log.debug("could not sweep %s: %s", folder, exc)
 
 
 def _start_ledger(p: JobPlan, info: Mapping[str, Any], d: Dist) -> Any:

@@ -240,8 +240,8 @@ class Run:
         if copier is None or self._local is None:
             return
         checkpoints.wait(raise_error=False)
-        newest = checkpoints.latest
-        if newest is None or (copier.shared_step is not None and copier.shared_step >= newest.step):
+        kept = self._local.complete()  # a newest one found damaged while copied was set aside
+        if not kept or (copier.shared_step is not None and copier.shared_step >= kept[-1].step):
             drop_local(self._local, self.store)
 
     @property

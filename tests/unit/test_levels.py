@@ -119,15 +119,20 @@ def test_a_failed_copy_is_raised_once_to_the_training_thread(two, monkeypatch):
 
 def test_a_local_copy_found_damaged_while_copied_is_set_aside_not_a_failure(two, caplog):
     local, shared = two
+    copier = SharedCopier(local, shared, None)
+    copier.submit(_seal(local, 5, b"five"), None)
+    assert copier.wait(60)
     ck = _seal(local, 10, b"x" * 10)
     (ck.path / "weights.bin").write_bytes(b"y" * 10)  # rotted on the node since its seal
-    copier = SharedCopier(local, shared, None)
     copier.submit(ck, None)
     assert copier.wait(60)
     copier.raise_if_failed()  # the run goes on: its next checkpoint is copied
-    assert local.complete() == [] and list(local.root.glob(".damaged-step-000000010-*"))
-    assert shared.complete() == []
+    assert [c.step for c in local.complete()] == [5] and list(local.root.glob(".damaged-step-000000010-*"))
+    assert [c.step for c in shared.complete()] == [5]
     assert "set aside" in caplog.text and "not copied to the shared level" in caplog.text
+    # the re-check's input: the record (what status shows) named the set-aside step as local and in flight
+    record = levels.levels_record(shared.root)
+    assert record["local_step"] == 5 and record["shared_step"] == 5 and record["copying"] is None
 
 
 def test_a_deleted_and_remade_run_directory_has_another_local_folder(tmp_path):
@@ -215,3 +220,48 @@ def test_a_run_directory_a_stale_cache_still_shows_is_made_once_the_cache_expire
     monkeypatch.setattr(execute, "STALE_DIR_WAIT_S", 0.0)
     with pytest.raises(ConfigError, match="still shows a folder deleted elsewhere; run the job again in a minute"):
         execute._open_lock(run_dir)
+
+
+def _level(base: Path, run_dir: Path, key: str, uid: str, local_steps=(), shared_steps=()) -> Path:
+    root = local_root(base, run_dir, key, uid)
+    store = local_store(root, run_dir, key)
+    levels.release(root)  # as a process that ended
+    for step in local_steps:
+        _seal(store, step, b"l")
+    shared = CheckpointStore(run_dir / "checkpoints", key)
+    for step in shared_steps:
+        _seal(shared, step, b"s")
+    return root
+
+
+def test_a_start_sweeps_what_other_runs_left_on_the_node_and_nothing_in_use(tmp_path):
+    """The re-check's input: folders left on a node by a run directory deleted or made anew, or by a run finished
+    with checkpoint.local_dir=off, stayed for good (on /dev/shm: memory)."""
+    import subprocess
+    import sys
+
+    from gwenlake_hpc.job.execute import _sweep_local_levels
+
+    base, runs = tmp_path / "node", tmp_path / "runs"
+    for name, uid in (("remade", "new"), ("done", "u3"), ("ahead", "u4"), ("held", "u5"), ("mine", "u6")):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "run.json").write_text(json.dumps({"uid": uid, "starts": []}))
+    gone = _level(base, runs / "gone", "k", "u1", local_steps=(10,))
+    remade = _level(base, runs / "remade", "k", "old", local_steps=(10,))
+    done = _level(base, runs / "done", "k", "u3", local_steps=(10,), shared_steps=(10, 20))
+    ahead = _level(base, runs / "ahead", "k", "u4", local_steps=(30,), shared_steps=(20,))
+    held = _level(base, runs / "held", "k", "other-incarnation", local_steps=(10,))
+    mine = _level(base, runs / "mine", "k", "u6", local_steps=(10,))
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time\n"
+        f"f = open({str(held / '.in-use')!r}, 'a+'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True)\n"
+        "time.sleep(120)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        _sweep_local_levels(mine)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not gone.exists() and not remade.exists() and not done.exists()
+    assert ahead.exists() and held.exists() and mine.exists()
+    assert levels.sweep(held)  # free now: removable

@@ -91,10 +91,76 @@ def local_store(root: Path, run_dir: str | os.PathLike, run_key: str) -> Checkpo
         if not isinstance(level, dict) or level.get("host") != host:
             with atomic_file(root / LEVEL, "w") as fh:
                 json.dump({"host": host, "run_dir": str(Path(run_dir).absolute()), "run_key": run_key}, fh)
+        _hold(root)
         return CheckpointStore(root / "checkpoints", run_key)
     except OSError as exc:
         raise ConfigError(f"checkpoint.local_dir: cannot use {root} ({exc.strerror or exc}); give a writable "
                           "node-local path, or checkpoint.local_dir=off") from exc
+
+
+#: ``.in-use`` files this process holds a ``flock`` on (a local level's folder it trains with), for its lifetime.
+_HELD: dict[Path, Any] = {}
+IN_USE = ".in-use"
+
+
+def _hold(root: Path) -> None:
+    """Hold ``<root>/.in-use`` with a ``flock`` (node-local: it works there) until this process ends, so that no
+    sweep of another start on this node removes a level in use (:func:`in_use`)."""
+    import fcntl
+
+    if root in _HELD:
+        return
+    fh = open(root / IN_USE, "a+")
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # another process of this run on this node: the run's lease decides, not this
+        fh.close()
+        return
+    _HELD[root] = fh
+
+
+def release(root: Path) -> None:
+    """Let go of the ``flock`` :func:`local_store` took on ``root``."""
+    fh = _HELD.pop(root, None)
+    if fh is not None:
+        fh.close()
+
+
+def local_levels(local_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """The runs' folders under the local level ``local_dir`` that this host wrote, with their ``LEVEL.json``."""
+    found = []
+    for folder in sorted((Path(local_dir) / "gwenlake-checkpoints").glob("run-*")):
+        level = read_json(folder / LEVEL, default=None) if (folder / LEVEL).is_file() else None
+        if isinstance(level, dict) and level.get("host") == socket.gethostname():
+            found.append((folder, level))
+    return found
+
+
+def in_use(folder: Path) -> bool:
+    """Whether a process holds the local level ``folder`` (its ``.in-use`` flock), this one included."""
+    import fcntl
+
+    if folder in _HELD:
+        return True
+    try:
+        fh = open(folder / IN_USE, "a+")
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        fh.close()
+    return False
+
+
+def sweep(folder: Path) -> bool:
+    """Remove the local level ``folder`` unless a process holds it; True when removed."""
+    if in_use(folder):
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    return not folder.exists()
 
 
 def _copy_file(src: Path, dst: Path, entry: dict[str, Any], algorithm: str) -> None:
@@ -229,6 +295,9 @@ class SharedCopier:
                     self.on_copied(done)
             except DamagedLocalCopy as exc:  # the node's copy rotted: set aside; the next checkpoint is copied
                 moved = self.local.set_aside_if_damaged(ck.path, str(exc)) if ck.path.is_dir() else None
+                intact = self.local.complete()
+                self.local_step = intact[-1].step if intact else None
+                self._record(copying=None)
                 log.warning("checkpoint %s on the local level is damaged (%s); set aside as %s, not copied to the "
                             "shared level (its newest stays step %s)", ck.path.name, exc, moved.name if moved else "?",
                             self.shared_step)
@@ -287,6 +356,7 @@ class SharedCopier:
 def drop_local(local: CheckpointStore, shared: CheckpointStore) -> None:
     """Remove a run's local level (its folder, ``LEVEL.json`` included) and the levels' record: at the end of a
     run whose newest checkpoint is on the shared level, so no node keeps a finished run's checkpoints."""
+    release(local.root.parent)
     shutil.rmtree(local.root.parent, ignore_errors=True)
     (shared.root / LEVELS).unlink(missing_ok=True)
 
