@@ -27,7 +27,8 @@ from helpers.jobs import assert_one_point_per_step
 from helpers.project import REPO, make_test_project
 from helpers.sshfs import two_mounts
 
-pytestmark = pytest.mark.slow
+# slow, and mostly waiting (lease timeouts, sshfs round trips over ssh, cache waits): beside the cluster's tests
+pytestmark = [pytest.mark.slow, pytest.mark.waits]
 
 
 @pytest.fixture
