@@ -220,7 +220,10 @@ def revive_node(node: str, timeout_s: float = 120) -> None:
     for sock in Path(f"/var/spool/slurmd-{node}").glob("*.socket"):  # the killed stepds' sockets
         sock.unlink(missing_ok=True)
     if not _run(["pgrep", "-f", f"^/usr/sbin/slurmd -N {node}$"]).stdout.strip():
-        subprocess.run(["/usr/sbin/slurmd", "-N", node], check=True, timeout=30)
+        # in a mount namespace of its own, as scripts/slurm-cluster.sh starts it (tests/helpers/sshfs.py node_mounts)
+        own = ["unshare", "-m", "--propagation", "slave"] if subprocess.run(
+            ["unshare", "-m", "true"], capture_output=True).returncode == 0 else []
+        subprocess.run([*own, "/usr/sbin/slurmd", "-N", node], check=True, timeout=30)
     _run(["scontrol", "update", f"nodename={node}", "state=resume"])
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
