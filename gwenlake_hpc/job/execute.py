@@ -37,6 +37,7 @@ from ..base.fsutil import read_json, write_json_atomic
 from ..base.lease import DEFAULT_TIMEOUT_S as DEFAULT_LEASE_TIMEOUT_S
 from ..base.lease import Lease, holder_gone, read_holder
 from .arguments import bind_arguments
+from .output_dir import clear_unfinished, output_dir
 from .plan import JobPlan, open_inputs, plan
 from .resume import finished_with, resume_point, retry_after_damaged_load
 from .run_environment import check_same_image, container_start
@@ -148,8 +149,7 @@ def _execute_rank(cfg: Any, stop: StopRequest, d: Dist) -> JobResult:
     statsd = p.settings.statsd
     configure_statsd(statsd.host, statsd.port, statsd.prefix)  # exported to child processes
     p.run_dir.mkdir(parents=True, exist_ok=True)
-    # Rank 0's output is committed; the others' (identical model) go to a scratch folder.
-    out = p.run_dir / "output" if d.is_main else p.run_dir / ".ranks" / f"rank-{d.rank:05d}" / "output"
+    out = output_dir(p.run_dir, d.rank)
     kwargs = bind_arguments(p.tf, out, open_inputs(p),  # the revisions the plan read, or a ConfigError
                             lambda name, b: _initial_model(p, name, b, d))
     if not d.is_main:
@@ -287,6 +287,7 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     done = finished_with(info, p.steps, p.epochs)
     if done is not None:
         return _already_finished(p, done, d)
+    clear_unfinished(output_dir(p.run_dir, d.rank))  # under the lock: a version holds only this start's files
     # job.resume=never, job.steps below the newest checkpoint, a newest checkpoint this node cannot see yet
     local = _local_level(p, info)
     point = resume_point(p, float(p.settings.checkpoint.visible_wait_s), local)

@@ -162,6 +162,8 @@ class Run:
                                            self._copier(latest))
         self._heartbeat = self._checkpoints.heartbeat = heartbeat  # the hang watchdog's view (None: no watchdog)
         self._metrics = RunMetrics(tracker, self._times, self.dist.is_main, on_nonfinite, self._checkpoints.wait)
+        if latest is not None:  # a rerun with no step left still has the values its summary() returns
+            self._metrics.restore(self._run_state.get("metrics") if self._run_state else None, latest.metrics)
         self._speeds = RankSpeeds(self.dist, tracker, self.run_dir, slow_rank_factor) if self.dist.enabled else None
         self._auto = None if eval_every != AUTO else AutoInterval(
             self.start_step, mtbf_s or (lambda: DEFAULT_MTBF_H * 3600.0), max_eval_interval_s,
@@ -498,8 +500,13 @@ class Run:
         self._metrics.log(metrics, step, tags, self.step)
 
     def summary(self) -> dict[str, float]:
-        """The latest value of every metric logged in this process, plus ``step`` (the last step done).
+        """The latest value of every metric logged in this run, plus ``step`` (the last step done): dict of
+        float, by metric name.
 
+        Values logged by earlier starts come from the checkpoint resumed from (its Run state and ``ck.metrics``),
+        so a rerun that has no step left to train (killed after its last checkpoint, before the commit) returns
+        the same values as the start that trained them, whether tracking is on or off. Read the final values
+        from here after the loop, never from a loop variable (unbound when the loop had nothing to do).
         Waits for a checkpoint still being written (its metrics are part of the summary).
         """
         self.wait_for_checkpoint()
@@ -532,6 +539,7 @@ class Run:
             "total_steps": self.total_steps,
             "rng": rng_state(),
             "tracking_run_id": getattr(self.tracker, "run_id", None),
+            "metrics": dict(self._metrics.values),
             "time": time.time(),
         }
         if self._epoch_rng is not None:  # the RNG states the current pass began with: see feed.batch_stream

@@ -57,7 +57,7 @@ class RunMetrics:
         self.on_nonfinite = on_nonfinite
         self._wait_for_checkpoint = wait_for_checkpoint
         self.progress: Progress | None = None
-        self.values: dict[str, float] = {}  #: the latest value of every metric logged in this process
+        self.values: dict[str, float] = {}  #: the latest value of every metric (restored ones included)
         self.last_times: dict[str, float] = {}
         self._tagged_series: dict[str, dict[str, str]] = {}  # series -> its tags (recorded on the run already)
         self._warned_nonfinite: set[str] = set()
@@ -141,8 +141,15 @@ class RunMetrics:
             self._warned_nonfinite.add(key)
             log.warning("metric %r is %s at step %d (and may be again: warned once)", key, value, step)
 
+    def restore(self, saved: Mapping[str, Any] | None, attached: Mapping[str, Any] | None) -> None:
+        """Take the latest values of a resumed run: ``saved``, the Run state's ``metrics`` (what ``run.log``
+        recorded up to the checkpoint), then ``attached``, the checkpoint's own ``ck.metrics`` (logged after the
+        state was taken). Either may be None (a checkpoint of an older version holds no ``metrics``)."""
+        for values in (saved, attached):
+            self.values.update({str(k): float(v) for k, v in (values or {}).items()})
+
     def summary(self, step: int) -> dict[str, float]:
-        """The latest value of every metric logged in this process, plus ``step`` (the Run's last step done).
+        """The latest value of every metric logged in this run (the restored ones included), plus ``step`` (the Run's last step done).
 
         The caller waits for a checkpoint in flight first (its metrics are part of the summary)."""
         return {**self.values, "step": float(step)}

@@ -25,6 +25,9 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_EXTRA_MB=m[:k]     checkpoints carry an extra float32 tensor of m MiB (from step k on), filled with
                               the step (no RNG drawn, so the training is the same as without it)
   GWL_TEST_CLOCK_SHIFT_S=s     time.time() is s seconds off (a host whose clock is behind or ahead)
+  GWL_TEST_SIGKILL_IN_OUTPUT=1  after the loop, write half of a file with a plain open() into the Output, then
+                              SIGKILL while save_state writes a 128 MiB model there (its temporary file cut at
+                              50 MiB, before its rename)
   GWL_TEST_SIGKILL=k:phase[:n] (fit_fsdp) rank GWL_TEST_SIGKILL_RANK (default 1) SIGKILLs itself at step k, at
                               phase step|before_write|mid_write|after_write|after_gather (see _SigkillPlan)
 """
@@ -178,6 +181,8 @@ def fit(data, output, run, config: Params):
         return {"final_loss": 0.0}
     if os.environ.get("GWL_TEST_BAD") == "str":
         return "done"
+    if os.environ.get("GWL_TEST_SIGKILL_IN_OUTPUT"):
+        _die_writing_output(output)
     save_state(output.file("model.safetensors"), model=model)
     if os.environ.get("GWL_TEST_NOTE"):
         (output.path / "note.txt").write_text(f"rank {run.rank} of {run.world_size}\n")
@@ -186,6 +191,25 @@ def fit(data, output, run, config: Params):
         full = data.read(["x", "y"])
         mse = nn.functional.mse_loss(model(torch.from_numpy(full["x"])).squeeze(-1), torch.from_numpy(full["y"]))
     return {"final_loss": mse.item()}
+
+
+def _die_writing_output(output):
+    """The reported input of a version holding a temporary file: a user's own file half written with open(), then
+    a SIGKILL while ``save_state`` writes a ``Linear(4096, 8192)`` (128 MiB) into the Output: its temporary file is
+    cut to 50 MiB at its fsync, before the rename."""
+    with open(output.file("notes.txt"), "w") as fh:
+        fh.write("half of a note")
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if ".model.safetensors." in name and name.endswith(".tmp"):
+            os.truncate(fd, 50 * 2**20)
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_fsync(fd)
+
+    os.fsync = fsync
+    save_state(output.file("model.safetensors"), model=nn.Linear(4096, 8192))
 
 
 def _hang(step, run):

@@ -39,8 +39,13 @@ def test_readme_loop_example_schedules_the_whole_run(tmp_path, monkeypatch):
         "features": rng.normal(size=(300, 3)).astype(np.float32),
         "churn": (rng.random(300) < 0.3).astype(np.float32)})
     for length, total in ({"epochs": 2}, 6), ({"steps": 5}, 5):  # 3 batches of 128 (the last 44) an epoch
-        result = namespace["fit"].local(data_root=tmp_path / "data", **length)
+        run_dir = tmp_path / f"run-{total}"
+        result = namespace["fit"].local(data_root=tmp_path / "data", run_dir=run_dir, **length)
         assert np.isfinite(result["train_loss"])
         assert (made[-1].total_steps, made[-1].last_epoch) == (total, total)
+        # Run again on the same run directory: as a start killed after its last checkpoint, before its commit,
+        # it resumes at the last step with nothing to train and returns the same values.
+        again = namespace["fit"].local(data_root=tmp_path / "data", run_dir=run_dir, **length)
+        assert again == result
 
 
