@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
@@ -60,29 +61,97 @@ def checkpoint(model: Any, path: str | None = None, metadata: Mapping[str, Any] 
                additional_files: Iterable[str | os.PathLike[str]] = ()) -> Path:
     """Save ``model`` as a named checkpoint of the current run's model (see :mod:`gwenlake_hpc.stores.checkpoints.named`).
 
+    In a job of several ranks it is a collective: call it on every rank, with the same arguments, as
+    ``save_state``. The arguments are checked on every rank and a refusal on any rank is raised on all of them
+    (no rank goes on into a collective the others left); a sharded model (FSDP2's DTensors) is gathered tensor
+    by tensor into one full file written by rank 0 (every rank takes part); a plain model is written by rank 0
+    alone; every rank then learns how rank 0's write ended, and returns or raises with it.
+
     Args:
         model: an ``nn.Module`` (its state_dict) or a state_dict; stored as ``model.safetensors``.
         path: the checkpoint's name (default: the run key); letters, digits, ``_ . -``.
         metadata: JSON-able values kept in ``checkpoint.json`` with the run key and step.
-        additional_files: files copied beside the weights.
+        additional_files: files copied beside the weights (read on rank 0).
 
     Returns:
-        The checkpoint's folder ``<runs_root>/<model name>/named/<path>/`` (on ranks other than 0, where
-        nothing is written, the folder rank 0 writes).
+        The checkpoint's folder ``<runs_root>/<model name>/named/<path>/``, on every rank.
 
     Raises:
-        GwenlakeError: outside a training (``GWENLAKE_RUN_ID`` unset); ConfigError: a bad name, metadata or file.
+        GwenlakeError: outside a training (``GWENLAKE_RUN_ID`` unset). ConfigError: a bad name, metadata or file,
+            on any rank (every rank raises it, naming the rank). CheckpointError: rank 0 could not write it (every
+            rank raises it).
     """
-    from ..stores.checkpoints.named import check_name, save_named, store_dir
+    from ..base.errors import CheckpointError, ConfigError
+    from ..stores.checkpoints.named import begin_named, check_named, seal_named, store_dir, write_named_model
+    from ..stores.checkpoints.sharded import holds_dtensors
 
     run = current_run()
-    name = check_name(path or run.run_key)
-    if not run.is_main:
-        return store_dir(run.run_dir.parent) / name
-    dest = save_named(run.run_dir.parent, name, model, run_key=run.run_key, step=run.step, metadata=metadata,
-                      additional_files=additional_files)
-    log.info("named checkpoint %s saved at step %d: %s", name, run.step, dest)
+    d = run.dist
+    refusal = None
+    try:
+        name, meta, files = check_named(path or run.run_key, metadata, additional_files)
+    except ConfigError as exc:
+        refusal = str(exc)
+    if refusal is None and _is_fsdp1(model):  # its state_dict() is a collective of its own, in its own order
+        refusal = ("gwenlake_hpc.checkpoint(model): an FSDP1 model (FullyShardedDataParallel); pass its full "
+                   "state dict, taken on every rank: get_model_state_dict(model, options=StateDictOptions("
+                   "full_state_dict=True, cpu_offload=True)) from torch.distributed.checkpoint.state_dict")
+    refusal = _first_on_any_rank(d, refusal)
+    if refusal is not None:
+        raise ConfigError(refusal)
+    model_root = run.run_dir.parent
+    sharded = hasattr(model, "parameters") and holds_dtensors([*model.parameters(), *model.buffers()]) \
+        or isinstance(model, Mapping) and holds_dtensors(dict(model))
+    failure, tmp = None, None
+    if run.is_main:
+        try:
+            tmp = begin_named(model_root)
+        except OSError as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+    # Every rank knows rank 0 has its folder before a collective write begins (none waits in a gather alone).
+    failure = d.broadcast(failure) if d.enabled else failure
+    if failure is None:
+        try:
+            if run.is_main or sharded:  # the others take part in a sharded model's gathers; they write nothing
+                write_named_model(tmp if tmp is not None else store_dir(model_root) / name, model)
+            if run.is_main:
+                dest = seal_named(tmp, model_root, name, run_key=run.run_key, step=run.step, meta=meta, files=files)
+        except (OSError, CheckpointError) as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        finally:
+            if tmp is not None and tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        failure = d.broadcast(failure) if d.enabled else failure
+    if failure is not None:
+        raise CheckpointError(f"named checkpoint {name!r}: rank 0 could not write it ({failure}); nothing was put "
+                              "in place")
+    dest = store_dir(model_root) / name
+    if run.is_main:
+        log.info("named checkpoint %s saved at step %d: %s", name, run.step, dest)
     return dest
+
+
+def _is_fsdp1(model: Any) -> bool:
+    """Whether ``model`` is or holds an FSDP1 ``FullyShardedDataParallel`` module."""
+    modules = getattr(model, "modules", None)
+    if modules is None:
+        return False
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # a torch built without distributed
+        return False
+    return any(isinstance(m, FullyShardedDataParallel) for m in modules())
+
+
+def _first_on_any_rank(d: Any, message: str | None) -> str | None:
+    """The first rank's ``message`` among the ranks that have one (named with its rank), on every rank; None when
+    no rank has one (a collective in a job of several ranks)."""
+    if not d.enabled:
+        return message
+    messages = d.gather(message)
+    first = None if messages is None else next(
+        (f"{m} (refused on rank {r}: every rank stops here)" for r, m in enumerate(messages) if m), None)
+    return d.broadcast(first)
 
 
 def last_checkpoint_path() -> Path | None:

@@ -428,7 +428,9 @@ def fit_fsdp(data, output, run, config: Params):
     load_state (``loaded-<step>-world-<n>.pt``); GWL_TEST_INIT_FROM=file loads a plain save_state file into the
     sharded model first (dumped as ``init.pt``); GWL_TEST_SIGKILL=k:phase[:n] SIGKILLs one rank at a moment of
     step k (see :class:`_SigkillPlan`); GWL_TEST_SAVE_RANK=r: only rank r calls save_state, GWL_TEST_PATH_RANK1=name: rank 1 saves
-    under another name (users' mistakes).
+    under another name (users' mistakes); GWL_TEST_NAMED=name: at the end every rank saves a named checkpoint of the
+    sharded model (``gwenlake_hpc.checkpoint``), GWL_TEST_NAMED_BAD_RANK=r: rank r gives it metadata that is not
+    JSON (NaN), the others good metadata.
     """
     torch.manual_seed(1234)  # the same initial weights on every rank and world size
     model = nn.Sequential(nn.Linear(4, config.hidden), nn.ReLU(), nn.Linear(config.hidden, 1))
@@ -484,5 +486,9 @@ def fit_fsdp(data, output, run, config: Params):
                     torch.save(full, dump / f"saved-{step}.pt")
     if run.evicted:
         return None
+    if os.environ.get("GWL_TEST_NAMED"):
+        bad = os.environ.get("GWL_TEST_NAMED_BAD_RANK") == str(run.rank)
+        gwenlake_hpc.checkpoint(model, path=os.environ["GWL_TEST_NAMED"],
+                                metadata={"lr": float("nan") if bad else config.lr, "seed": run.seed})
     save_state(output.file("model.safetensors"), model=model)  # one full file, written by rank 0
-    return {"final_loss": loss.item()}
+    return {"final_loss": run.summary()["loss"]}

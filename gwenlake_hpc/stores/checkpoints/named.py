@@ -60,7 +60,11 @@ def check_name(name: str) -> str:
 
 def save_named(model_root: Path, name: str, model: Any, *, run_key: str, step: int,
                metadata: Mapping[str, Any] | None = None, additional_files: Iterable[str | os.PathLike] = ()) -> Path:
-    """Write a named checkpoint; returns its folder.
+    """Write a named checkpoint from one process; returns its folder.
+
+    The phases, for a caller that spreads them over the ranks of a job (``gwenlake_hpc.checkpoint``):
+    :func:`check_named`, :func:`begin_named`, :func:`write_named_model` (a collective for a sharded model),
+    :func:`seal_named`.
 
     Args:
         model_root: ``<runs_root>/<model name>``.
@@ -75,8 +79,24 @@ def save_named(model_root: Path, name: str, model: Any, *, run_key: str, step: i
             clashes with the checkpoint's own files.
         CheckpointError: the model is neither a module nor a mapping of tensors.
     """
-    from .state import save_state
+    name, meta, files = check_named(name, metadata, additional_files)
+    tmp = begin_named(model_root)
+    try:
+        write_named_model(tmp, model)
+        return seal_named(tmp, model_root, name, run_key=run_key, step=step, meta=meta, files=files)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
+
+def check_named(name: str, metadata: Mapping[str, Any] | None,
+                additional_files: Iterable[str | os.PathLike]) -> tuple[str, Any, list[Path]]:
+    """The checks of a named checkpoint's arguments, before anything is written: ``(name, metadata as JSON
+    values, additional files as Paths)``.
+
+    Raises:
+        ConfigError: see :func:`save_named`.
+    """
     name = check_name(name)
     try:
         text = json.dumps(dict(metadata or {}), allow_nan=False)
@@ -85,7 +105,6 @@ def save_named(model_root: Path, name: str, model: Any, *, run_key: str, step: i
     if len(text) > MAX_METADATA_BYTES:
         raise ConfigError(f"checkpoint metadata: {len(text)} bytes of JSON, {MAX_METADATA_BYTES} at most; put "
                           "large things in additional_files")
-    meta = json.loads(text)
     if isinstance(additional_files, (str, os.PathLike)):  # one file, not its characters
         additional_files = [additional_files]
     files = [Path(f) for f in additional_files]
@@ -94,49 +113,78 @@ def save_named(model_root: Path, name: str, model: Any, *, run_key: str, step: i
             raise ConfigError(f"checkpoint additional_files: {f} is not a file")
         if f.name in (MODEL_FILE, INFO_FILE):
             raise ConfigError(f"checkpoint additional_files: {f.name} is the checkpoint's own file name; rename it")
+    return name, json.loads(text), files
+
+
+def begin_named(model_root: Path) -> Path:
+    """A new temporary folder in the model's named store (made with the store), where :func:`write_named_model`
+    and :func:`seal_named` put the checkpoint's files.
+
+    Raises:
+        OSError: the store cannot be made or written.
+    """
     store = store_dir(model_root)
     store.mkdir(parents=True, exist_ok=True)
-    tmp = Path(mkdtemp(prefix=f".tmp-{name}-", dir=store))
-    try:
-        if isinstance(model, Mapping):  # save_state only asks for state_dict(): a mapping is stored as it is
-            save_state(tmp / MODEL_FILE, model=SimpleNamespace(state_dict=lambda: dict(model)))  # type: ignore[arg-type]
-        elif hasattr(model, "state_dict"):
-            save_state(tmp / MODEL_FILE, model=model)
+    return Path(mkdtemp(prefix=".tmp-named-", dir=store))
+
+
+def write_named_model(folder: Path, model: Any) -> Path:
+    """Write ``model`` as ``<folder>/model.safetensors`` (:func:`save_state`). A sharded model (DTensors: FSDP2)
+    is gathered tensor by tensor into one full file: a collective that every rank calls, with its own ``folder``
+    (only rank 0 writes; see :func:`.consolidate.write_full_model`).
+
+    Raises:
+        CheckpointError: the model is neither a module nor a mapping of tensors; on a rank that does not write,
+            the writing rank failed.
+    """
+    from .state import save_state
+
+    if isinstance(model, Mapping):  # save_state only asks for state_dict(): a mapping is stored as it is
+        return save_state(folder / MODEL_FILE, model=SimpleNamespace(state_dict=lambda: dict(model)))  # type: ignore[arg-type]
+    if hasattr(model, "state_dict"):
+        return save_state(folder / MODEL_FILE, model=model)
+    raise CheckpointError(f"checkpoint: {type(model).__name__} is neither an nn.Module nor a state_dict")
+
+
+def seal_named(tmp: Path, model_root: Path, name: str, *, run_key: str, step: int, meta: Any,
+               files: list[Path]) -> Path:
+    """Copy the additional ``files`` into ``tmp`` (which holds the model file), write ``checkpoint.json``, fsync
+    and put ``tmp`` in place as ``<store>/<name>`` (see the module's docstring); returns that folder.
+
+    Raises:
+        OSError: a copy or a rename failed (``tmp`` is left to the caller to remove).
+    """
+    store = store_dir(model_root)
+    for f in files:
+        shutil.copyfile(f, tmp / f.name)
+        with open(tmp / f.name, "rb") as fh:
+            os.fsync(fh.fileno())
+    sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    info = {"name": name, "run_key": run_key, "step": int(step), "time": time.time(), "metadata": meta,
+            "files": sizes}
+    write_json_atomic(tmp / INFO_FILE, info)
+    fsync_dir(tmp)
+    dest = store / name
+    with _lock(store):
+        for stale in store.glob(".old-*"):  # left by a writer killed between its two renames
+            shutil.rmtree(stale, ignore_errors=True)
+        old = None
+        # A folder is swapped in here, so fsutil's file routines do not apply; the folder protocol gives
+        # the same guarantee: every file in tmp and tmp itself are fsynced above, and the store's
+        # directory is fsynced after the rename below.
+        if dest.exists() and _exchange(tmp, dest):
+            old = tmp  # readers saw the old folder, then the new one: never none
         else:
-            raise CheckpointError(f"checkpoint: {type(model).__name__} is neither an nn.Module nor a state_dict")
-        for f in files:
-            shutil.copyfile(f, tmp / f.name)
-            with open(tmp / f.name, "rb") as fh:
-                os.fsync(fh.fileno())
-        sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-        info = {"name": name, "run_key": run_key, "step": int(step), "time": time.time(), "metadata": meta,
-                "files": sizes}
-        write_json_atomic(tmp / INFO_FILE, info)
-        fsync_dir(tmp)
-        dest = store / name
-        with _lock(store):
-            for stale in store.glob(".old-*"):  # left by a writer killed between its two renames
-                shutil.rmtree(stale, ignore_errors=True)
-            old = None
-            # A folder is swapped in here, so fsutil's file routines do not apply; the folder protocol gives
-            # the same guarantee: every file in tmp and tmp itself are fsynced above, and the store's
-            # directory is fsynced after the rename below.
-            if dest.exists() and _exchange(tmp, dest):
-                old = tmp  # readers saw the old folder, then the new one: never none
-            else:
-                if dest.exists():  # no RENAME_EXCHANGE here (an old kernel, some network filesystems)
-                    old = store / f".old-{name}-{os.getpid()}-{time.monotonic_ns()}"
-                    os.rename(dest, old)  # folders: the protocol above, not fsutil
-                os.rename(tmp, dest)  # folders: the protocol above, not fsutil
-            fsync_dir(store)
-            write_atomic(store / LATEST_FILE, (json.dumps({"name": name, "run_key": run_key, "step": int(step),
-                                                           "time": info["time"]}) + "\n").encode())
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        return dest
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            if dest.exists():  # no RENAME_EXCHANGE here (an old kernel, some network filesystems)
+                old = store / f".old-{name}-{os.getpid()}-{time.monotonic_ns()}"
+                os.rename(dest, old)  # folders: the protocol above, not fsutil
+            os.rename(tmp, dest)  # folders: the protocol above, not fsutil
+        fsync_dir(store)
+        write_atomic(store / LATEST_FILE, (json.dumps({"name": name, "run_key": run_key, "step": int(step),
+                                                       "time": info["time"]}) + "\n").encode())
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return dest
 
 
 def _exchange(a: Path, b: Path) -> bool:
