@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ..base.errors import EXIT_USAGE, GwenlakeError
-from ..runtime.signals import ignore_from_now_on, install_early
+from ..base.errors import EXIT_EVICTED, EXIT_USAGE, GwenlakeError
+from ..runtime.signals import StopInterrupt, ignore_from_now_on, install_early
 
 log = logging.getLogger("gwenlake_hpc.cli")
 
@@ -329,6 +329,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     install_early()  # before Hydra and torch load: no stop signal may kill a training on its way in or out
     try:
         return run_hydra(argv)
+    except StopInterrupt as exc:  # during the start-up (Hydra, imports): ends at once, as evicted
+        print(f"stop requested ({exc}) during the start-up: nothing trained; run the same command again to "
+              "resume", file=sys.stderr, flush=True)
+        return EXIT_EVICTED
     finally:
         ignore_from_now_on()
 
@@ -425,6 +429,15 @@ def train_entry() -> None:
 def train_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``gwenlake-train``: list or run decorated functions found under the current directory."""
     install_early()
+    try:
+        return _train_main(argv)
+    except StopInterrupt as exc:  # while the project's modules import, or Hydra composes: at once, as evicted
+        print(f"stop requested ({exc}) during the start-up: nothing trained; run the same command again to "
+              "resume", file=sys.stderr, flush=True)
+        return EXIT_EVICTED
+
+
+def _train_main(argv: Sequence[str] | None) -> int:
     _setup_logging()
     p = argparse.ArgumentParser(prog="gwenlake-train", description=(
         "Find @train functions under the current directory, list them, or run one locally. "

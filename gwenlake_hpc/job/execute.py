@@ -43,7 +43,7 @@ from .resume import finished_with, resume_point, retry_after_damaged_load
 from .run_environment import check_same_image, container_start
 from ..base.processes import pid_gone, shield_children
 from ..runtime import ledger as ledgers
-from ..runtime.signals import StopRequest
+from ..runtime.signals import StopInterrupt, StopRequest
 from ..stores.tracking import NullTracker, Tracker, flatten, is_sqlite, state_dir_for, user_mlflow
 from ..stores.registry import complete_pending_registrations
 from ..stores.tracking.custom_metrics import configure as configure_statsd
@@ -104,8 +104,15 @@ def execute(cfg: DictConfig | Mapping[str, Any], *, stop: StopRequest | None = N
     except StartLimitError as exc:
         log.error("%s", exc)
         return JobResult(exc.exit_code)
+    stop = stop or StopRequest()
     try:
-        return _execute(cfg, stop or StopRequest())
+        stop.arm()  # until the plan is made: a stop signal ends the start-up at once (see StopRequest.arm)
+        return _execute(cfg, stop)
+    except StopInterrupt as exc:
+        stop.disarm()
+        log.warning("stop requested (%s) during the start-up: this start ends now (exit %d), having trained "
+                    "nothing; the checkpoints are kept: run the same job again to resume", exc, EXIT_EVICTED)
+        return JobResult(EXIT_EVICTED)
     except ConfigError as exc:
         log.error("%s", exc)
         return JobResult(EXIT_USAGE)
@@ -133,19 +140,29 @@ def check_start_limit(environ: Mapping[str, str]) -> None:
 
 def _execute(cfg: Any, stop: StopRequest) -> JobResult:
     d = setup_distributed()  # a single process unless SLURM (or torchrun) started several tasks
-    ok = False
     try:
         result = _execute_rank(cfg, stop, d)
-        ok = result.exit_code in (0, EXIT_EVICTED)
-        return result
-    finally:
-        teardown_distributed(d, ok=ok)
+    except Exception as exc:
+        teardown_distributed(d, ok=False)
+        lost = d.lost_peer(exc, "during the start-up")  # a rank gone before the training function began
+        if lost is None:
+            raise
+        log.error("%s", lost)
+        return JobResult(EXIT_FAILED)
+    except BaseException:
+        teardown_distributed(d, ok=False)
+        raise
+    left = teardown_distributed(d, ok=result.exit_code in (0, EXIT_EVICTED))
+    if not left and result.exit_code == 0:  # a rank gone at the very end: no rank reports success
+        return JobResult(EXIT_FAILED, result.version, result.run_dir, result.final_step)
+    return result
 
 
 def _execute_rank(cfg: Any, stop: StopRequest, d: Dist) -> JobResult:
     if not d.is_main:
         d.barrier()  # rank 0 plans first: a prepare hook materialises the data once, not once a rank
-    p = plan(cfg)
+    p = plan(cfg)  # imports the user's module: still interruptible (armed by execute)
+    stop.disarm()  # the job's own set-up (lock, run.json, tracking) records a stop; _train acts on it
     statsd = p.settings.statsd
     configure_statsd(statsd.host, statsd.port, statsd.prefix)  # exported to child processes
     p.run_dir.mkdir(parents=True, exist_ok=True)
@@ -551,14 +568,25 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
                                                                 reporting.state_dir, current_step,
                                                                 reporting.off_reason):
                         with _watched(heartbeat):
+                            stop.arm()  # the function before its loop: a stop ends it at once (the Run disarms)
                             result = tf.fn(**kwargs)
+                            stop.disarm()
                     run.wait_for_checkpoint()  # a background write that failed fails the job here
                     break
                 except DamagedFileError as exc:
                     if not retry_after_damaged_load(run, exc):
                         raise
                     run = make_run()  # from the previous intact checkpoint, the function started afresh
+        except StopInterrupt as exc:
+            stop.disarm()
+            log.warning("stop requested (%s) before the training loop began: this start ends now (exit %d), having "
+                        "trained nothing; the newest checkpoint is kept: run the same job again to resume", exc,
+                        EXIT_EVICTED)
+            run.wait_for_checkpoint(raise_error=False)
+            tracker.finish("KILLED", timeout_s=min(finish_timeout, 20.0))
+            return JobResult(EXIT_EVICTED, None, p.run_dir, run.step)
         except KeyboardInterrupt:
+            stop.disarm()
             log.error("interrupted at step %d; the newest complete checkpoint is kept", run.step)
             tracker.finish("KILLED", timeout_s=min(finish_timeout, 10.0))
             return JobResult(EXIT_INTERRUPTED, None, p.run_dir, run.step)
@@ -573,7 +601,12 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
             if refusal is not None:
                 _end_failed(run, tracker, finish_timeout)
                 raise refusal from None
-            log.error("the training function raised at step %d:\n%s", run.step, traceback.format_exc())
+            lost = d.lost_peer(exc, f"at step {run.step}")  # a rank died: one line naming it, not gloo's chain
+            if lost is not None:
+                log.error("%s", lost)
+                log.debug("the collective's error:\n%s", traceback.format_exc())
+            else:
+                log.error("the training function raised at step %d:\n%s", run.step, traceback.format_exc())
             return _end_failed(run, tracker, finish_timeout)
         with shield_children():  # git, the registry: SLURM's signals must not kill the children of the commit
             start.inputs = {n: kwargs[n] for n, b in tf.bindings.items() if isinstance(b, Input)}

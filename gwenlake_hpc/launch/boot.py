@@ -3,8 +3,9 @@
 The sbatch script runs ``python -m gwenlake_hpc.launch.boot -u -m submitit.core._submit FOLDER`` (submitit's
 ``python`` setting). SLURM may send the time-limit warning (``--signal``, SIGUSR2) up to 60 s early; arriving
 while the interpreter imports submitit, torch and the user's module, it used to kill the step with the default
-action ("FAILED 12:0"), and the teardown spent a retry on it. Here the handlers only record the signal, the
-training then stops after its first step with a checkpoint, and the teardown reads it as the time-limit case.
+action ("FAILED 12:0"), and the teardown spent a retry on it. Here the handlers record the signal and end the
+start-up at once with exit 75 (nothing trained, the checkpoints kept: :meth:`StopRequest.arm`), and the
+teardown reads it as the time-limit case.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import runpy
 import sys
 
-from ..runtime.signals import ignore_from_now_on, install_early
+from ..base.errors import EXIT_EVICTED
+from ..runtime.signals import StopInterrupt, ignore_from_now_on, install_early
 
 
 def keep_our_handlers() -> None:
@@ -48,6 +50,10 @@ def main(argv: list[str]) -> None:
         keep_our_handlers()  # imported while ours already record a stop signal
     try:
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    except StopInterrupt as exc:  # a stop signal while submitit and the job load: end now, as evicted
+        print(f"stop requested ({exc}) during the start-up: this start ends now (exit {EXIT_EVICTED}), having "
+              "trained nothing", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_EVICTED) from None
     finally:
         # Python puts back the default actions while it shuts down: a late SIGUSR2 (SLURM's warning, repeated)
         # would then end a finished step with "FAILED 12:0".

@@ -45,6 +45,17 @@ class Dist:
     _background: "Dist | None" = field(default=None, repr=False)
     #: seconds a collective of a group made here may wait (the default group's, from :func:`setup`)
     timeout_s: float = DEFAULT_TIMEOUT_S
+    #: every rank's host and pid as it joined (:class:`~.peers.Peer`, by rank); empty for a single process
+    peers: list = field(default_factory=list, repr=False)
+
+    def lost_peer(self, exc: BaseException | None, where: str, then: str | None = None) -> str | None:
+        """The one-line verdict when ``exc`` is a collective's failure because a rank is gone (naming it, its
+        pid and host), or None (see :func:`.peers.verdict`); always None for a single process."""
+        if not self.enabled:
+            return None
+        from .peers import verdict
+
+        return verdict(self.peers, self.rank, exc, where, then)
 
     @property
     def enabled(self) -> bool:
@@ -189,8 +200,12 @@ def setup(timeout_s: float | None = None) -> Dist:
         dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
                                 timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    from .peers import from_gathered, me
+
+    gathered: list[Any] = [None] * world  # who is who, for the verdict when a rank is gone
+    dist.all_gather_object(gathered, me(), group=control)
     return Dist(rank=rank, world_size=world, local_rank=local, backend=backend, _control=control,
-                timeout_s=timeout_s)
+                timeout_s=timeout_s, peers=from_gathered(gathered))
 
 
 _ABANDONED: list[bool] = []  # a process group left undestroyed after a failure (teardown with ok=False)
@@ -223,7 +238,7 @@ def exit_process(code: int) -> None:
         os._exit(code)
 
 
-def teardown(d: Dist, ok: bool = True) -> None:
+def teardown(d: Dist, ok: bool = True) -> bool:
     """Leave the process group.
 
     ``ok`` (every rank ended the same way: done or evicted): wait for all ranks first, so no rank tears its
@@ -232,18 +247,27 @@ def teardown(d: Dist, ok: bool = True) -> None:
     destroyed: the other ranks may be blocked in a collective, and destroying would wait for them; this
     process's exit closes its connections, and theirs fail at once; :func:`exit_process` then ends it before
     the interpreter's finalisation could abort it.
+
+    Returns:
+        False when the final barrier failed (a rank is gone: the one-line verdict naming it is logged, and the
+        job must not end with success on this rank); True otherwise.
     """
     if not d.enabled:
-        return
+        return True
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        return
+        return True
     if not ok:
         _ABANDONED.append(True)  # the process ends through exit_process (see there)
-        return
+        return True
     try:
         d.barrier()
         dist.destroy_process_group()
-    except Exception as exc:  # noqa: BLE001 - leaving anyway; the result is already decided
-        log.warning("leaving the process group: %s", exc)
+    except Exception as exc:  # noqa: BLE001 - a rank gone at the very end: this rank must not report success
+        _ABANDONED.append(True)
+        log.error("%s", d.lost_peer(None, "at the job's end (the final barrier)",
+                                    "this rank exits 1, not 0; what rank 0 committed stays (a rerun prints its "
+                                    "version)") or f"leaving the process group: {exc}")
+        return False
+    return True

@@ -407,6 +407,7 @@ class Run:
         if self._iterated:
             raise RuntimeError("run.steps() can be iterated once per training")
         self._iterated = True
+        self._stop.disarm()  # from here a stop signal only sets the flag the loop reads between two steps
         if self._copy_resumed is not None and self._checkpoints.copier is not None:
             self._checkpoints.copier.submit(self._copy_resumed, None)  # the training has loaded it by now
             self._copy_resumed = None

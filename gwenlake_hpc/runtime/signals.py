@@ -94,6 +94,25 @@ class StopRequest:
         finally:
             self._interrupting = False
 
+    def arm(self) -> None:
+        """Until :meth:`disarm`, a stop signal also raises :class:`StopInterrupt` where the main thread is (once).
+
+        For the time outside the training loop, where no step boundary will read the flag: the start-up (imports,
+        Hydra, the user's module at import), then the training function before its loop (building the model,
+        loading data). A process blocked there (a stalled import, a slow file system) ends at once on SLURM's or
+        torchrun's SIGTERM instead of being SIGKILLed 30 s later. The Run disarms it as its loop begins.
+
+        Raises:
+            StopInterrupt: a stop was already requested (recorded while disarmed).
+        """
+        if self.requested:
+            raise StopInterrupt(self.reason or "stop")
+        self._interrupting = True
+
+    def disarm(self) -> None:
+        """A stop signal only records the stop again (the loop, or the job's own set-up and end, reads it)."""
+        self._interrupting = False
+
     def install(self, signals: tuple[int, ...] = STOP_SIGNALS) -> bool:
         """Install the handlers; the previous ones are kept for :meth:`uninstall`.
 
@@ -172,13 +191,15 @@ def install_early() -> StopRequest:
 
     Called by the command lines before Hydra, torch and the user's module are imported: a stop signal during
     start-up (SLURM may signal early) or after the version was committed is recorded instead of killing the
-    process with the default action (exit 143). The job then uses this same :class:`StopRequest`
-    (:func:`process_stop`): a stop recorded before the loop ends it after its first step, with a checkpoint.
+    process with the default action (exit 143). During the start-up a stop signal ends the process at once
+    (:meth:`StopRequest.arm`: :class:`StopInterrupt`, exit 75 from the job or the command line); the job then
+    uses this same :class:`StopRequest` (:func:`process_stop`).
     """
     global _PROCESS_STOP
     if _PROCESS_STOP is None:
         _PROCESS_STOP = StopRequest()
         _PROCESS_STOP.install()
+        _PROCESS_STOP.arm()  # the start-up: a stop ends it at once (the job disarms it once its plan is made)
     return _PROCESS_STOP
 
 

@@ -25,6 +25,8 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_EXTRA_MB=m[:k]     checkpoints carry an extra float32 tensor of m MiB (from step k on), filled with
                               the step (no RNG drawn, so the training is the same as without it)
   GWL_TEST_CLOCK_SHIFT_S=s     time.time() is s seconds off (a host whose clock is behind or ahead)
+  GWL_TEST_SLEEP_AT_IMPORT=file  at import, create `file` and sleep 600 s (GWL_TEST_SLEEP_AT_IMPORT_RANK=r: on
+                              rank r only)
   GWL_TEST_SIGKILL_IN_OUTPUT=1  after the loop, write half of a file with a plain open() into the Output, then
                               SIGKILL while save_state writes a 128 MiB model there (its temporary file cut at
                               50 MiB, before its rename)
@@ -40,6 +42,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+if os.environ.get("GWL_TEST_SLEEP_AT_IMPORT") and \
+        os.environ.get("RANK", "0") == os.environ.get("GWL_TEST_SLEEP_AT_IMPORT_RANK", os.environ.get("RANK", "0")):
+    Path(os.environ["GWL_TEST_SLEEP_AT_IMPORT"]).touch()  # a rank blocked before its loop (a stalled import)
+    time.sleep(600)
 
 if os.environ.get("GWL_TEST_CLOCK_SHIFT_S"):  # at import: before the job records this start's time
     _shift, _time = float(os.environ["GWL_TEST_CLOCK_SHIFT_S"]), time.time
@@ -358,9 +365,13 @@ class _SigkillPlan:
                     background writer's thread, while the loop goes on (asynchronous), or in the block;
       after_gather  just after the gather of the digests to rank 0, before rank 0's seal is confirmed (rank 0
                     seals): in the background writer's thread too (asynchronous).
+      final         after the loop, before the final save_state of the model into the Output (rank 0 then
+                    gathers the full model alone), k ignored;
+      end           after that save_state, as the function returns (rank 0 commits, then waits at the job's
+                    final barrier), k ignored.
     mid_write and after_gather patch a torch / gwenlake_hpc function in this process only (a test hook)."""
 
-    PHASES = ("step", "before_write", "mid_write", "after_write", "after_gather")
+    PHASES = ("step", "before_write", "mid_write", "after_write", "after_gather", "final", "end")
 
     def __init__(self, rank):
         spec = os.environ.get("GWL_TEST_SIGKILL", "")
@@ -490,5 +501,7 @@ def fit_fsdp(data, output, run, config: Params):
         bad = os.environ.get("GWL_TEST_NAMED_BAD_RANK") == str(run.rank)
         gwenlake_hpc.checkpoint(model, path=os.environ["GWL_TEST_NAMED"],
                                 metadata={"lr": float("nan") if bad else config.lr, "seed": run.seed})
+    kill.at(kill.step, "final")
     save_state(output.file("model.safetensors"), model=model)  # one full file, written by rank 0
+    kill.at(kill.step, "end")
     return {"final_loss": run.summary()["loss"]}
