@@ -304,7 +304,6 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     done = finished_with(info, p.steps, p.epochs)
     if done is not None:
         return _already_finished(p, done, d)
-    clear_unfinished(output_dir(p.run_dir, d.rank))  # under the lock: a version holds only this start's files
     # job.resume=never, job.steps below the newest checkpoint, a newest checkpoint this node cannot see yet
     local = _local_level(p, info)
     point = resume_point(p, float(p.settings.checkpoint.visible_wait_s), local)
@@ -553,6 +552,8 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
     except BaseException:
         _stop_watchdog(heartbeat, watchdog)
         raise
+    # Every refusal is behind us: under the lock, a version holds only the files this start writes.
+    clear_unfinished(output_dir(p.run_dir, d.rank))
     # a point MLflow records at step 0 (no step given) goes to the loop's current step; a short fit has no loop
     current_step = (lambda: 0) if getattr(tf, "is_short", False) else (lambda: run.step)
     if tf.wants_config:
