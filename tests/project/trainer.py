@@ -25,6 +25,8 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_EXTRA_MB=m[:k]     checkpoints carry an extra float32 tensor of m MiB (from step k on), filled with
                               the step (no RNG drawn, so the training is the same as without it)
   GWL_TEST_CLOCK_SHIFT_S=s     time.time() is s seconds off (a host whose clock is behind or ahead)
+  GWL_TEST_FSYNC_BLOCK=k      from step k on, the checkpoint writer thread's next os.fsync blocks for good (in a C
+                              call that releases the GIL, as an fsync on a hung file system does)
   GWL_TEST_SIGKILL=k:phase[:n] (fit_fsdp) rank GWL_TEST_SIGKILL_RANK (default 1) SIGKILLs itself at step k, at
                               phase step|before_write|mid_write|after_write|after_gather (see _SigkillPlan)
 """
@@ -41,6 +43,21 @@ from pathlib import Path
 if os.environ.get("GWL_TEST_CLOCK_SHIFT_S"):  # at import: before the job records this start's time
     _shift, _time = float(os.environ["GWL_TEST_CLOCK_SHIFT_S"]), time.time
     time.time = lambda: _time() + _shift
+
+if os.environ.get("GWL_TEST_FSYNC_BLOCK"):  # at import: the writer thread calls os.fsync through the module
+    import ctypes
+    import threading
+
+    _fsync_armed, _real_fsync = threading.Event(), os.fsync
+
+    def fsync(fd):  # the name the hang verdict shows: the writer blocked "in fsync"
+        if _fsync_armed.is_set() and threading.current_thread().name == "gwenlake-checkpoint-writer":
+            print("test hook: the checkpoint writer blocks in fsync", file=sys.stderr, flush=True)
+            while True:  # a signal ends libc's sleep early (the watchdog's dump): sleep again
+                ctypes.CDLL(None).sleep(100000)  # GWL_TEST_FSYNC_BLOCK: the GIL released
+        return _real_fsync(fd)
+
+    os.fsync = fsync
 
 import numpy as np
 import torch
@@ -148,6 +165,8 @@ def fit(data, output, run, config: Params):
             time.sleep(sleep_s)
         time.sleep(slow_steps.get(step, 0))
         _hang(step, run)
+        if os.environ.get("GWL_TEST_FSYNC_BLOCK") == str(step):
+            _fsync_armed.set()
         if run.at_eval:
             # The torn-file hook needs the file on disk inside the block: a synchronous checkpoint.
             with run.checkpoint(keep=3, sync=step in (kill_at, kill_after)) as ck:
