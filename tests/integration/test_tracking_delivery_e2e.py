@@ -77,7 +77,7 @@ def test_a_training_killed_before_the_attach_is_not_reported_as_an_mlflow_outage
 
 @pytest.mark.slow
 def test_a_delivery_process_killed_just_before_the_end_is_started_again_by_finish(tmp_path: Path) -> None:
-    """The restart of a dead delivery process waits 30 s during the loop; at the end it is immediate."""
+    """Killed just before the end (between two checks of the spool thread): finish() starts it again itself."""
     uri = default_uri(tmp_path)
     tracker = Tracker(uri, "exp", "r", tmp_path / "tracking", flush_interval_s=0.2)
     for step in range(1, 101):

@@ -67,6 +67,9 @@ class DeliveryProcess:
         self._proc_lock = threading.Lock()
         self._last_start = -math.inf
         self._restarts: list[float] = []  # monotonic times of the restarts by check(), the recent ones
+        # check() (the spool thread) and end()/stop() never both start a process: end() marks this first
+        self._restart_lock = threading.Lock()
+        self._ending = False
 
     @property
     def proc(self) -> subprocess.Popen[bytes] | None:
@@ -147,6 +150,11 @@ class DeliveryProcess:
         its exit status or signal: at once (the Tracker checks every ``flush_interval_s``), up to
         :data:`QUICK_RESTARTS` times in :data:`RESTART_WINDOW_S` seconds, then at most every
         :data:`RESTART_EVERY_S` seconds. Its points wait in the spool meanwhile: none is lost."""
+        with self._restart_lock:
+            if not self._ending:
+                self._check()
+
+    def _check(self) -> None:
         proc = self.proc
         if proc is not None and proc.poll() is None:
             return
@@ -168,6 +176,8 @@ class DeliveryProcess:
         ``timeout_s`` seconds (plus :data:`SHUTDOWN_GRACE_S` for the answer). A process that is dead, or dies
         meanwhile (killed on its own), is started again at once, twice at most, within the time left."""
         deadline = time.monotonic() + timeout_s + SHUTDOWN_GRACE_S
+        with self._restart_lock:  # from now on only this end restarts a dead process
+            self._ending = True
         restarts = 0
         while True:
             proc = self.proc
@@ -200,6 +210,8 @@ class DeliveryProcess:
 
     def stop(self) -> None:
         """Close the pipe and, if the process is still there, kill it and reap it."""
+        with self._restart_lock:
+            self._ending = True
         with self._proc_lock:
             proc, self._proc = self._proc, None
         if proc is not None:
