@@ -123,11 +123,19 @@ def _starts(run_dir: Path) -> list[Mapping[str, Any]]:
     return starts
 
 
+#: Where every legend goes: beside its panel, right of the axes, top-aligned. Above the panel it covered the
+#: panel's title (the run's name, the goodput summary); inside it hides the curve ("best" would scan every
+#: point). ``tight_layout`` leaves the room for it.
+_BESIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "fontsize": "small", "frameon": False,
+           "borderaxespad": 0.0}
+
+
 def draw(values: Mapping[str, Mapping[int, float]], marks: Sequence[int], title: str,
          smoothing: float = SMOOTHING, starts: Sequence[Mapping[str, Any]] = ()) -> Any:
     """The report's figure: one panel per metric, the ``time/*`` metrics stacked in one panel (seconds per step:
     input, compute, checkpoint, tracking), dashed red lines at ``marks``; under them, with a ledger, one bar per
-    start with the parts of its time (:func:`gwenlake_hpc.runtime.ledger.parts`, seconds) and its end.
+    start with the parts of its time (:func:`gwenlake_hpc.runtime.ledger.parts`, seconds) and its end. Each
+    legend stands right of its panel (:data:`_BESIDE`), never over a title.
 
     Args:
         values: metric -> {step: value}.
@@ -152,7 +160,7 @@ def draw(values: Mapping[str, Mapping[int, float]], marks: Sequence[int], title:
     panels: list[list[str]] = ([[k] for k in values if k not in times and not k.startswith("goodput/")]
                                + ([times] if times else []))
     rows = len(panels) + (1 if starts else 0)
-    fig, axes = plt.subplots(rows, 1, figsize=(8, 2.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, 1, figsize=(10, 2.6 * rows), squeeze=False)
     if starts:
         _bars(axes[-1, 0], starts)
     for ax, keys in zip(axes[:, 0], panels):
@@ -168,9 +176,7 @@ def draw(values: Mapping[str, Mapping[int, float]], marks: Sequence[int], title:
                 (raw,) = ax.plot(steps, ys, marker=marker, lw=1, alpha=0.3, label="raw")
                 ax.plot(steps, smooth(ys, smoothing), lw=1.6, color=raw.get_color(),
                         label=f"smoothed (EMA {smoothing:g})")
-                # Above the panel, right: it never hides the curve ("best" would scan every point).
-                ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=2, fontsize="small", frameon=False,
-                          borderaxespad=0.1)
+                ax.legend(**_BESIDE)
             else:
                 ax.plot(steps, ys, marker=marker, lw=1)
             ax.set_ylabel(key)
@@ -179,7 +185,7 @@ def draw(values: Mapping[str, Mapping[int, float]], marks: Sequence[int], title:
             ax.stackplot(steps, *[[values[k].get(s, 0.0) for s in steps] for k in keys],
                          labels=[k.split("/", 1)[1] for k in keys])
             ax.set_ylabel("seconds per step")
-            ax.legend(loc="upper left", fontsize="small")
+            ax.legend(**_BESIDE)
         for m in marks:
             ax.axvline(m, color="tab:red", ls="--", lw=1)
     axes[len(panels) - 1, 0].set_xlabel("step")
@@ -207,26 +213,25 @@ def _bars(ax: Any, starts: Sequence[Mapping[str, Any]]) -> None:
     total = ledgers.summarize(list(starts))
     ax.set_title(ledgers.describe(total) or "goodput", loc="left", fontsize="small")
     ax.set_xlabel("seconds of each start")
-    ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=6, fontsize="x-small", frameon=False)
+    ax.legend(**_BESIDE)
 
 
-def report(run_dir: str | Path, out: str | Path | None = None, uri: str | None = None,
-           smoothing: float = SMOOTHING) -> tuple[Path, list[int]]:
-    """Write ``<run_dir>/report.png`` (or ``out``), drawn by :func:`draw`, and ``report.json`` beside it
-    (``restarts_at_step``, ``smoothing``, the ledger's ``goodput`` summary and each start's ``starts`` parts).
+def figure(run_dir: str | Path, uri: str | None = None,
+           smoothing: float = SMOOTHING) -> tuple[Any, list[int], list[dict[str, Any]]]:
+    """The report's figure of the run in ``run_dir`` (:func:`draw`), from its MLflow run's metrics, its
+    ``run.json`` (the restarts) and its goodput ledger.
 
     Args:
-        smoothing: EMA weight in [0, 1) (TensorBoard's 0.6 by default; 0: raw curves only).
+        uri: the tracking URI (default: the one in ``tracking/tracking.json``).
+        smoothing: EMA weight in [0, 1).
 
     Returns:
-        (the PNG path, the restart steps marked).
+        (the matplotlib Figure, which the caller closes; the restart steps marked; the ledger's records).
 
     Raises:
-        ConfigError: a smoothing weight outside [0, 1); ``run_dir`` is no directory; its ``run.json`` is
-            damaged; the run directory has no tracking state (tracking was off) or no metric.
+        ConfigError: as :func:`report`.
     """
     smoothing = check_smoothing(smoothing)
-    import matplotlib.pyplot as plt
     from mlflow import MlflowClient
 
     run_dir = Path(run_dir)
@@ -253,6 +258,32 @@ def report(run_dir: str | Path, out: str | Path | None = None, uri: str | None =
     completed = bool((read_json(run_dir / "run.json", default={}) or {}).get("completed"))
     recs = ledgers.read_ledger(run_dir, live=not completed and RunLock.may_be_held(run_dir), completed=completed)
     fig = draw(values, marks, f"{run_dir.parent.name} / {run_dir.name}: {len(marks)} restart(s)", smoothing, recs)
+    return fig, marks, recs
+
+
+def report(run_dir: str | Path, out: str | Path | None = None, uri: str | None = None,
+           smoothing: float = SMOOTHING) -> tuple[Path, list[int]]:
+    """Write ``<run_dir>/report.png`` (or ``out``), drawn by :func:`draw` (:func:`figure`), and ``report.json``
+    beside it (``restarts_at_step``, ``smoothing``, the ledger's ``goodput`` summary and each start's ``starts``
+    parts).
+
+    Args:
+        smoothing: EMA weight in [0, 1) (TensorBoard's 0.6 by default; 0: raw curves only).
+
+    Returns:
+        (the PNG path, the restart steps marked).
+
+    Raises:
+        ConfigError: a smoothing weight outside [0, 1); ``run_dir`` is no directory; its ``run.json`` is
+            damaged; the run directory has no tracking state (tracking was off) or no metric.
+    """
+    smoothing = check_smoothing(smoothing)
+    import matplotlib.pyplot as plt
+
+    from ..runtime import ledger as ledgers
+
+    run_dir = Path(run_dir)
+    fig, marks, recs = figure(run_dir, uri, smoothing)
     out = Path(out) if out else run_dir / "report.png"
     fig.savefig(out, dpi=100)
     plt.close(fig)

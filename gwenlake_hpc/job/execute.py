@@ -502,10 +502,13 @@ def _open_tracking(p: JobPlan, info: Mapping[str, Any], code: Any, container: Ma
 
 def _tracking_tags(p: JobPlan, info: Mapping[str, Any], code: Any,
                    container: Mapping[str, Any] | None) -> dict[str, str]:
-    """The MLflow run's tags: ``@train(metadata={...})``, then ours (``gwenlake.*``, ``slurm.*``), which win."""
+    """The MLflow run's tags: ``@train(metadata={...})``, then ours (``gwenlake.*``, ``slurm.*``), which win.
+    ``gwenlake.restarts``: the earlier starts of ``run.json`` that reached their loop (``first_step`` set)."""
     tags = dict(p.tf.resources.metadata)
+    # Restarts: the earlier starts that began a loop. One that trained nothing (refused with exit 2, failed in its
+    # set-up: first_step null) is none; one recorded before first_step existed trained.
     tags.update({"gwenlake.run_key": p.key, "gwenlake.target": p.tf.target, "gwenlake.host": socket.gethostname(),
-                 "gwenlake.restarts": str(len(info["starts"]) - 1)})
+                 "gwenlake.restarts": str(sum(s.get("first_step", 0) is not None for s in info["starts"][:-1]))})
     tags.update({f"gwenlake.dataset.{n}": v for n, v in p.datasets.items()})
     tags.update({f"gwenlake.init_model.{n}": v for n, v in p.model_versions.items()})
     if code.commit:

@@ -2,9 +2,10 @@
 
 Responsibilities:
 
-- reading a faulthandler dump (:func:`where`, :func:`activity`): where the main thread is, the innermost frame of
-  the user's code, and what the rank is doing there (waiting in a collective, in a DataLoader, in the user's
-  code or in a library);
+- reading a faulthandler dump (:func:`where`, :func:`activity`, :func:`waited_thread`): where the main thread is,
+  the innermost frame of the user's code, what the rank is doing there (waiting in a collective, in a DataLoader,
+  in the user's code or in a library), and, when the main thread waits for one of our threads (the checkpoint
+  writer's ``join``...), that thread's name and where it blocks;
 - each rank's record, ``<run_dir>/hangs/<start>/verdict-rank<r>.json`` (written by that rank's watchdog,
   :mod:`gwenlake_hpc.job.watchdog`), and the gathering of all ranks' records (:func:`gather`);
 - the job's verdict (:func:`joint_verdict`): the ranks that stopped first are those not waiting in a collective,
@@ -41,13 +42,47 @@ ACTIVITIES = (("collective", ("torch/distributed/", "torch/nn/parallel/distribut
               ("data loading", ("torch/utils/data/",)))
 
 
-def _main_frames(stacks: str, thread_id: int) -> list[tuple[str, str, str]]:
-    """The main thread's frames of a faulthandler dump, innermost first: ``(file, line, function)``. The main
-    thread is ``thread_id`` (its ident); the first thread of the dump when it is not found."""
+def _main_frames(stacks: str, thread_id: int, first: bool = True) -> list[tuple[str, str, str]]:
+    """A thread's frames of a faulthandler dump, innermost first: ``(file, line, function)``. The thread is
+    ``thread_id`` (its ident, the main thread's for the callers here); when it is not found, the first thread of
+    the dump (``first``) or none."""
     blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stacks)
     wanted = f"0x{thread_id:016x}"
-    block = next((b for b in blocks if b.strip() and wanted in b.splitlines()[0]), blocks[0])
+    block = next((b for b in blocks if b.strip() and wanted in b.splitlines()[0]), blocks[0] if first else "")
     return [(m["file"], m["line"], m["fn"]) for m in (_FRAME.match(line) for line in block.splitlines()) if m]
+
+
+def waited_thread(stacks: str, thread_id: int, threads: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """The thread the main thread (``thread_id``) waits for, when our code said so
+    (:func:`gwenlake_hpc.base.waits.waiting_for`, published by the watchdog's training side as ``threads``:
+    ``{"names": {ident: name}, "waits": {ident: ident}}``), and it is in the dump: ``{"name": its name,
+    "at": its innermost frame, file:line in function}``; None otherwise (no wait recorded, the thread gone)."""
+    if not isinstance(threads, Mapping):
+        return None
+    waited = (threads.get("waits") or {}).get(str(thread_id))
+    if not waited or not str(waited).isdigit():
+        return None
+    frames = _main_frames(stacks, int(waited), first=False)
+    if not frames:
+        return None
+    name = (threads.get("names") or {}).get(str(waited)) or f"0x{int(waited):016x}"
+    file, line, fn = frames[0]
+    return {"name": str(name), "at": f"{file}:{line} in {fn}"}
+
+
+def main_thread_text(record: Mapping[str, Any]) -> str:
+    """Where a rank's main thread stands, in words: ``its main thread waits for thread NAME, blocked at
+    file:line in function (the main thread is at ...)`` when it waits for one of our threads, else ``its main
+    thread is at ...``; the innermost frame of the user's code after it when that is another frame."""
+    main, waits = record.get("main_thread_at"), record.get("waits_for")
+    if isinstance(waits, Mapping) and waits.get("name"):
+        at = f"its main thread waits for thread {waits['name']}, blocked at {waits.get('at')}" + (
+            f" (the main thread is at {main})" if main else "")
+    else:
+        at = f"its main thread is at {main}" if main else "its stacks could not be read"
+    if record.get("user_code_at") and record.get("user_code_at") != main:
+        at += f" (in your code: {record['user_code_at']})"
+    return at
 
 
 def where(stacks: str, thread_id: int) -> tuple[str | None, str | None]:
@@ -118,10 +153,7 @@ def joint_verdict(records: Sequence[Mapping[str, Any]], folder: Path) -> dict[st
     first = [r for r in working if int(r["step"]) == step]
     others = [r for r in records if r not in first]
     lead = first[0]
-    at = f"its main thread is at {lead['main_thread_at']}" if lead.get("main_thread_at") else \
-        "its stacks could not be read"
-    if lead.get("user_code_at") and lead.get("user_code_at") != lead.get("main_thread_at"):
-        at += f" (in your code: {lead['user_code_at']})"
+    at = main_thread_text(lead)
     names = ", ".join(f"rank {r['rank']} on {r['host']}" for r in first[:8]) + (
         f" and {len(first) - 8} more" if len(first) > 8 else "")
     stopped = " (it stopped first)" if len(records) > 1 and len(first) == 1 else \

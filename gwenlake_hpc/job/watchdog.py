@@ -46,6 +46,7 @@ from typing import Any, Mapping
 from ..base.errors import ConfigError
 from ..base.fsutil import write_json_atomic
 from ..base.processes import shield_children
+from ..base.waits import snapshot as thread_snapshot
 from ..runtime import heartbeat as hb
 from ..runtime.ranks import node_name
 from . import hang_report as report
@@ -73,6 +74,9 @@ PROGRESS_EVERY_S = 5.0
 PROGRESS_FILE = "progress.json"
 #: Times a watchdog process that ended while its training runs is started again.
 RESTARTS = 3
+#: Seconds between two looks at the training's threads (their names, which of ours each waits for), written
+#: beside the heartbeat when they changed: a hang's verdict names the thread the main thread waits for.
+THREADS_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,10 @@ class Watchdog:
         ledger: this start's goodput ledger file (rank 0, :mod:`gwenlake_hpc.runtime.ledger`), else None: once
         the rank is killed, its end is recorded there as ``hang``.
 
+    Its thread also writes, every :data:`THREADS_EVERY_S` when they changed, the process's thread names and
+    waits (:func:`gwenlake_hpc.base.waits.snapshot`) to :func:`threads_path` beside the heartbeat: the watchdog
+    process reads them on a hang, to name the thread the main thread waits for and where that one blocks.
+
     A watchdog process that ends while the training runs (killed by hand, out of memory) is started again, with
     a warning, up to :data:`RESTARTS` times: a thread of the training waits on it (no cost to the loop).
     """
@@ -148,9 +156,12 @@ class Watchdog:
         hangs.mkdir(parents=True, exist_ok=True)
         self.dump_path = hangs / f".stacks-rank{rank:05d}-{os.getpid()}.txt"
         self._dump = open(self.dump_path, "w")
+        self.threads_path = threads_path(self.heartbeat)
+        self._threads: dict[str, Any] | None = None  # the snapshot last written
         faulthandler.register(DUMP_SIGNAL, file=self._dump, all_threads=True, chain=False)
         self._spec = {"rule": asdict(rule), "run_dir": str(self.run_dir), "rank": rank, "pid": os.getpid(),
                       "heartbeat": str(self.heartbeat), "dump": str(self.dump_path),
+                      "threads": str(self.threads_path),
                       "host": node_name(), "started": started,
                       "world_size": int(world_size),
                       "tracking_state_dir": str(tracking_state_dir) if tracking_state_dir else None,
@@ -170,8 +181,13 @@ class Watchdog:
         return proc
 
     def _guard(self) -> None:
-        for attempt in range(RESTARTS + 1):
-            status = self._proc.wait()
+        attempt = 0
+        while True:
+            try:
+                status = self._proc.wait(timeout=THREADS_EVERY_S)
+            except subprocess.TimeoutExpired:
+                self._publish_threads()
+                continue
             with self._lock:
                 if self._stopping:
                     return
@@ -179,9 +195,27 @@ class Watchdog:
                     log.warning("the hang watchdog of rank %d ended again (status %s): this rank's hangs are no "
                                 "longer watched", self.rank, status)
                     return
+                attempt += 1
                 log.warning("the hang watchdog of rank %d ended (status %s) while the training runs: started "
-                            "again (%d of %d)", self.rank, status, attempt + 1, RESTARTS)
+                            "again (%d of %d)", self.rank, status, attempt, RESTARTS)
                 self._proc = self._spawn()
+
+    def _publish_threads(self) -> None:
+        """Write the threads' snapshot when it changed: a temporary file renamed over it (whole for a reader;
+        node-local memory, not fsynced: it is of no use after a crash). A failure is no hang's business."""
+        now = thread_snapshot()
+        if now == self._threads:
+            return
+        tmp = self.threads_path.with_name(self.threads_path.name + ".tmp")
+        with self._lock:  # never after stop() removed it
+            if self._stopping:
+                return
+            try:
+                tmp.write_text(json.dumps(now))
+                os.replace(tmp, self.threads_path)
+                self._threads = now
+            except OSError as exc:
+                log.debug("could not write %s: %s", self.threads_path, exc)
 
     def stop(self) -> None:
         """End the watchdog (it reads the end of its standard input) and drop the dump file if unused."""
@@ -196,6 +230,7 @@ class Watchdog:
             proc.kill()
         faulthandler.unregister(DUMP_SIGNAL)
         self._dump.close()
+        self.threads_path.unlink(missing_ok=True)
         try:  # a newer start's sweep may have removed it already (this start lost its run meanwhile)
             if self.dump_path.stat().st_size == 0:
                 self.dump_path.unlink()
@@ -209,13 +244,19 @@ def heartbeat_name(run_key: str, rank: int) -> str:
     return f"gwenlake-{os.getuid()}-{run_key}-{os.getpid()}-rank{rank}.heartbeat"
 
 
+def threads_path(heartbeat: Path) -> Path:
+    """Where the training's threads' snapshot lies: beside its heartbeat (node-local), ``.threads``."""
+    return Path(heartbeat).with_suffix(".threads")
+
+
 def sweep_leftovers(run_dir: Path, run_key: str, is_main: bool) -> None:
     """Before a start's watchdogs: remove what killed ranks of earlier starts of this run left (a rank SIGKILLed
     with its watchdog, by ``scancel`` or srun, cannot): this run's heartbeats on this node whose process is gone,
     and, on rank 0 (one start of a run trains at a time: the run lock), the run's stack scratch files and
     markers (``hangs/.stacks-*``, ``.stopped-*``, ``.request-*``)."""
     prefix = f"gwenlake-{os.getuid()}-{run_key}-"
-    for path in hb.heartbeat_dir().glob(f"{prefix}*-rank*.heartbeat"):
+    for path in [*hb.heartbeat_dir().glob(f"{prefix}*-rank*.heartbeat"),
+                 *hb.heartbeat_dir().glob(f"{prefix}*-rank*.threads")]:
         try:
             os.kill(int(path.name[len(prefix):].split("-")[0]), 0)
         except ProcessLookupError:
@@ -293,13 +334,23 @@ def _take(spec: Mapping[str, Any], beat: hb.Beat | None, silent_s: float, limit_
     record = {"rank": rank, "host": spec["host"], "pid": pid, "step": step, "phase": phase,
               "silent_s": math.ceil(silent_s * 10) / 10, "limit_s": round(limit_s, 1), "detected": detected,
               "activity": report.activity(stacks, thread_id), "main_thread_at": main, "user_code_at": user,
+              "waits_for": report.waited_thread(stacks, thread_id, _read_threads(spec)),
               "stacks": str(stack_file), "time": time.time()}
     report.write_record(folder, record)
-    at = f"its main thread is at {main}" if main else "its stacks could not be read"
+    at = report.main_thread_text(record)
     print(f"gwenlake_hpc: hang watchdog: rank {rank} on {spec['host']}: no progress for {silent_s:.0f} s in step "
           f"{step} ({phase}; limit {limit_s:.0f} s), {record['activity']}: {at}; stacks: {stack_file}",
           file=sys.stderr, flush=True)
     return record
+
+
+def _read_threads(spec: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The training's threads' snapshot (:meth:`Watchdog._publish_threads`), None when missing or unreadable."""
+    try:
+        data = json.loads(Path(spec["threads"]).read_text()) if spec.get("threads") else None
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _folder(spec: Mapping[str, Any]) -> Path:
@@ -363,6 +414,8 @@ def _clean(spec: Mapping[str, Any], killing: bool = False) -> None:
     """The rank's heartbeat file, its stack scratch file (its stacks are in ``rank<r>.txt`` once taken) and its
     stopped marker, once the rank is gone or about to be killed (a killed rank cannot remove them)."""
     Path(spec["heartbeat"]).unlink(missing_ok=True)
+    if spec.get("threads"):
+        Path(spec["threads"]).unlink(missing_ok=True)
     hangs = Path(spec["run_dir"]) / "hangs"
     (hangs / f".stopped-{spec['started']}-rank{int(spec['rank'])}").unlink(missing_ok=True)
     dump = Path(spec["dump"])

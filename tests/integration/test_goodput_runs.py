@@ -186,3 +186,44 @@ def test_a_checkpoint_sealed_during_a_long_step_counts_as_kept_before_any_resume
     (rec,) = ledgers.read_ledger(run)
     assert rec["end"] == "killed" and rec["last_step"] == 20 and rec["sealed_step"] == 20, rec
     assert ledgers.lost_steps(rec) == 0
+
+
+def _overlaps(fig) -> list[str]:
+    """Every (legend, title) pair of ``fig`` whose window extents intersect, from the figure's own renderer."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    titles = [(ax, t) for ax in fig.axes for t in (ax.title, ax._left_title, ax._right_title) if t.get_text()]
+    out = []
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        box = legend.get_window_extent(renderer)
+        out += [f"the legend of panel {fig.axes.index(ax)} ({box}) over the title {t.get_text()!r} of panel "
+                f"{fig.axes.index(other)} ({t.get_window_extent(renderer)})"
+                for other, t in titles if box.overlaps(t.get_window_extent(renderer))]
+    return out
+
+
+def test_the_reports_legends_leave_every_panel_title_readable(project):
+    """Issue 40 item 8: `report` drew the legends over the panel titles (the loss panel's, and the goodput
+    panel's, unreadable). A run of several metrics (tagged metrics at each evaluation), evicted once and
+    finished: no legend's window extent intersects any title's, as the figure's renderer lays them out."""
+    from gwenlake_hpc.cli.report import figure
+
+    env = {"GWL_TEST_SLEEP": "0.02", "GWL_TEST_TAGGED": "1"}
+    project.run("+job=t", env={**env, "GWL_TEST_SIGTERM_AT": "25"}, check=75)
+    project.run("+job=t", env=env, check=0)
+    run_dir = run_dir_of(project)
+    fig, marks, recs = figure(run_dir)
+    try:
+        assert marks == [27] and [r["end"] for r in recs] == ["evicted", "finished"], (marks, recs)
+        legends = [ax for ax in fig.axes if ax.get_legend() is not None]
+        assert len(fig.axes) >= 5 and len(legends) >= 3, [ax.get_ylabel() for ax in fig.axes]
+        assert fig.axes[-1]._left_title.get_text().startswith("goodput ")  # the ledger's bars, titled
+        fig.savefig(run_dir / "report-test.png", dpi=100)  # to look at
+        assert _overlaps(fig) == []
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)

@@ -243,3 +243,27 @@ def test_a_killed_watchdog_is_started_again_and_still_catches_a_time_sleep_past_
     assert re.search(rf"gwenlake_hpc: hang: rank 0 on \S+ made no progress for \d+ s in step 30 \(step \(evaluation "
                      rf"step\); the limit is 15 s.*: its main thread is at \S+trainer.py:{sleep_line} in _hang;",
                      out + err), out + err
+
+
+def test_a_checkpoint_writer_blocked_in_fsync_is_named_by_the_verdict(project):
+    """Issue 40 item 5, the reported input: the checkpoint writer thread blocked in os.fsync (the seal of step
+    20's checkpoint, GWL_TEST_FSYNC_BLOCK), the main thread waits for it at step 30's checkpoint (at most one in
+    flight). The verdict said the main thread was in ``threading.py ... _wait_for_tstate_lock``; it names the
+    writer thread and where it blocks, the hook's ``fsync``."""
+    expect_hangs(project)
+    hung = project.run("+job=t", "job.hang_timeout_s=4", env={"GWL_TEST_FSYNC_BLOCK": "20"}, timeout=300)
+    out = hung.stdout + hung.stderr
+    assert hung.returncode == -signal.SIGKILL, out[-4000:]
+    assert "test hook: the checkpoint writer blocks in fsync" in out
+    line = _trainer_line(project, "ctypes.CDLL(None).sleep(100000)")
+    verdict_line = next(ln for ln in out.splitlines() if ln.startswith("gwenlake_hpc: hang: "))
+    assert re.search(r"in step 30 \(checkpoint \(evaluation step\); the limit is 12 s, job.hang_timeout_s\): its main "
+                     r"thread waits for thread gwenlake-checkpoint-writer, blocked at \S+trainer.py:"
+                     rf"{line} in fsync \(the main thread is at \S+threading.py:\d+ in _wait_for_tstate_lock\)",
+                     verdict_line), verdict_line
+    run_dir = next((project.root / "runs" / "t.model").iterdir())
+    [folder] = [p for p in (run_dir / "hangs").iterdir() if p.is_dir()]
+    record = json.loads((folder / "verdict-rank0.json").read_text())
+    assert record["waits_for"]["name"] == "gwenlake-checkpoint-writer", record
+    assert record["waits_for"]["at"].endswith(f"trainer.py:{line} in fsync"), record
+    assert not list(Path("/dev/shm").glob(f"gwenlake-*-{record['pid']}-rank0.threads"))  # removed with the rank

@@ -135,3 +135,21 @@ def test_an_epochs_run_resumed_from_an_epochs_last_batch_trains_every_epoch(tmp_
     a, b = weights(straight, v_straight, WEIGHTS), weights(p, version_line(last, MODEL), WEIGHTS)
     assert all((a[name] == b[name]).all() for name in a)
     assert sorted(history(p, MODEL, "loss")) == list(range(1, 91))
+
+
+def test_a_start_refused_with_exit_2_is_no_restart(tmp_path):
+    """Issue 40 item 7, the reported input: a Lightning job evicted once (SIGTERM, exit 75), then refused with
+    exit 2 by a setting of its Trainer (a ModelCheckpoint of the user's), then run again as it should be and
+    finished, was tagged ``gwenlake.restarts=2``: the refused start trained nothing (no ``first_step``)."""
+    p = _project(tmp_path / "p")
+    p.run("+job=pl_t", "job.steps=40", env={"GWL_TEST_SIGTERM_AT": "25"}, check=75)
+    refused = p.run("+job=pl_t", "job.steps=40",
+                    env={"GWL_TEST_PL": json.dumps({"model_checkpoint": {"dirpath": "mine"}})}, check=2)
+    assert "ModelCheckpoint" in refused.stdout + refused.stderr
+    last = p.run("+job=pl_t", "job.steps=40", check=0)
+    assert "resuming from step 26" in last.stdout + last.stderr, last.stderr
+    (run_dir,) = (p.root / "runs" / MODEL).iterdir()
+    starts = json.loads((run_dir / "run.json").read_text())["starts"]
+    assert [s["first_step"] for s in starts] == [1, None, 27], starts
+    _, run = the_run(p, MODEL)
+    assert run.info.status == "FINISHED" and run.data.tags["gwenlake.restarts"] == "1", run.data.tags

@@ -30,6 +30,8 @@ Test hooks come from environment variables, never from params, so they do not ch
   GWL_TEST_SIGKILL_IN_OUTPUT=1  after the loop, write half of a file with a plain open() into the Output, then
                               SIGKILL while save_state writes a 128 MiB model there (its temporary file cut at
                               50 MiB, before its rename)
+  GWL_TEST_FSYNC_BLOCK=k      from step k on, the checkpoint writer thread's next os.fsync blocks for good (in a C
+                              call that releases the GIL, as an fsync on a hung file system does)
   GWL_TEST_SIGKILL=k:phase[:n] (fit_fsdp) rank GWL_TEST_SIGKILL_RANK (default 1) SIGKILLs itself at step k, at
                               phase step|before_write|mid_write|after_write|after_gather (see _SigkillPlan)
 """
@@ -51,6 +53,21 @@ if os.environ.get("GWL_TEST_SLEEP_AT_IMPORT") and \
 if os.environ.get("GWL_TEST_CLOCK_SHIFT_S"):  # at import: before the job records this start's time
     _shift, _time = float(os.environ["GWL_TEST_CLOCK_SHIFT_S"]), time.time
     time.time = lambda: _time() + _shift
+
+if os.environ.get("GWL_TEST_FSYNC_BLOCK"):  # at import: the writer thread calls os.fsync through the module
+    import ctypes
+    import threading
+
+    _fsync_armed, _real_fsync = threading.Event(), os.fsync
+
+    def fsync(fd):  # the name the hang verdict shows: the writer blocked "in fsync"
+        if _fsync_armed.is_set() and threading.current_thread().name == "gwenlake-checkpoint-writer":
+            print("test hook: the checkpoint writer blocks in fsync", file=sys.stderr, flush=True)
+            while True:  # a signal ends libc's sleep early (the watchdog's dump): sleep again
+                ctypes.CDLL(None).sleep(100000)  # GWL_TEST_FSYNC_BLOCK: the GIL released
+        return _real_fsync(fd)
+
+    os.fsync = fsync
 
 import numpy as np
 import torch
@@ -158,6 +175,8 @@ def fit(data, output, run, config: Params):
             time.sleep(sleep_s)
         time.sleep(slow_steps.get(step, 0))
         _hang(step, run)
+        if os.environ.get("GWL_TEST_FSYNC_BLOCK") == str(step):
+            _fsync_armed.set()
         if run.at_eval:
             # The torn-file hook needs the file on disk inside the block: a synchronous checkpoint.
             with run.checkpoint(keep=3, sync=step in (kill_at, kill_after)) as ck:

@@ -130,3 +130,48 @@ def test_one_watchdog_publishes_the_verdict(tmp_path):
     assert publish_verdict(tmp_path, v) is True
     assert publish_verdict(tmp_path, {**v, "line": "another"}) is False
     assert json.loads((tmp_path / "verdict.json").read_text())["line"] == v["line"]
+
+
+JOINED = '''Thread 0x0000000000000abc (most recent call first):
+  File "/work/x/store.py", line 115 in _fsync_file
+  File "/work/x/writer.py", line 45 in target
+  File "/usr/lib/python3.11/threading.py", line 975 in run
+
+Current thread 0x0000000000001234 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 1139 in _wait_for_tstate_lock
+  File "/usr/lib/python3.11/threading.py", line 1119 in join
+  File "/u/train.py", line 57 in fit
+'''
+
+
+def test_a_main_thread_waiting_for_one_of_our_threads_names_it_and_where_it_blocks(tmp_path):
+    import threading
+
+    from gwenlake_hpc.base.waits import snapshot, waiting_for
+    from gwenlake_hpc.job.hang_report import main_thread_text, waited_thread
+
+    threads = {"names": {str(0xabc): "gwenlake-checkpoint-writer", str(0x1234): "MainThread"},
+               "waits": {str(0x1234): str(0xabc)}}
+    waits = waited_thread(JOINED, 0x1234, threads)
+    assert waits == {"name": "gwenlake-checkpoint-writer", "at": "/work/x/store.py:115 in _fsync_file"}
+    assert waited_thread(JOINED, 0x1234, {**threads, "waits": {}}) is None  # no wait recorded: nothing guessed
+    assert waited_thread(JOINED, 0x1234, {**threads, "waits": {str(0x1234): "99"}}) is None  # not in the dump
+    main, user = where(JOINED, 0x1234)
+    record = {**_record(0, 30, "a library"), "main_thread_at": main, "user_code_at": user, "waits_for": waits}
+    assert main_thread_text(record) == (
+        "its main thread waits for thread gwenlake-checkpoint-writer, blocked at /work/x/store.py:115 in "
+        "_fsync_file (the main thread is at /usr/lib/python3.11/threading.py:1139 in _wait_for_tstate_lock) "
+        "(in your code: /u/train.py:57 in fit)")
+    assert main_thread_text(record) in joint_verdict([record], tmp_path)["line"]
+
+    # the registry itself: a wait is recorded while it lasts, by the waiter's ident
+    gate = threading.Event()
+    worker = threading.Thread(target=gate.wait, name="gwenlake-test-worker")
+    worker.start()
+    with waiting_for(worker):
+        now = snapshot()
+    gate.set()
+    worker.join()
+    assert now["waits"] == {str(threading.get_ident()): str(worker.ident)}
+    assert now["names"][str(worker.ident)] == "gwenlake-test-worker"
+    assert snapshot()["waits"] == {}

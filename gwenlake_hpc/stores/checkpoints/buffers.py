@@ -24,6 +24,8 @@ import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Mapping
 
+from ...base.waits import waiting_for
+
 if TYPE_CHECKING:
     from .tensorfile import HostBuffer
 
@@ -146,7 +148,8 @@ class BufferPool:
         """Wait for a :meth:`reserve` in progress (nothing when none)."""
         thread, self._reserving = self._reserving, None
         if thread is not None:
-            thread.join()
+            with waiting_for(thread):  # a hang's verdict names this thread, not the join
+                thread.join()
         if self._reserve_error is not None:
             log.warning("host buffers for asynchronous checkpoints could not be allocated ahead: %s; the next "
                         "checkpoint allocates them", self._reserve_error)

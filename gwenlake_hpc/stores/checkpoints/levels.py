@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 from ...base.errors import CheckpointError, CheckpointExistsError, ConfigError
 from ...base.fsutil import atomic_file, fsync_dir, read_json
+from ...base.waits import waiting_for
 from .digest import entry_digest, file_digest, new_hasher
 from .store import MANIFEST, PARTIAL_MARK, Checkpoint, CheckpointStore
 
@@ -344,7 +345,7 @@ class SharedCopier:
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait until no copy runs or waits, at most ``timeout_s`` seconds (None: no bound). True when done."""
         deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
-        with self._lock:
+        with self._lock, waiting_for(self._thread):  # a hang's verdict names the copier, not the condition
             while self._busy or self._wanted is not None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:

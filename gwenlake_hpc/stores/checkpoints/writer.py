@@ -8,6 +8,7 @@ import threading
 from typing import Any, Callable
 
 from ...base.errors import ConfigError
+from ...base.waits import waiting_for
 
 log = logging.getLogger("gwenlake_hpc.checkpoints")
 
@@ -60,7 +61,8 @@ class BackgroundWriter:
             import time
 
             start = time.perf_counter()
-            t.join()
+            with waiting_for(t):  # a hang's verdict names this thread, not the join
+                t.join()
             self.waited_s += time.perf_counter() - start
         return self.raise_if_failed(raise_error)
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from gwenlake_hpc.base.errors import ConfigError
+from gwenlake_hpc.base.waits import waiting_for
 
 T = TypeVar("T")
 
@@ -90,4 +91,5 @@ def prefetched(produce: Callable[[], Iterator[T]], ahead: int, name: str = "gwen
     finally:
         stop.set()
         slots.release()  # wake the thread if it waits for a slot
-        thread.join()
+        with waiting_for(thread):  # a hang's verdict names this thread, not the join
+            thread.join()

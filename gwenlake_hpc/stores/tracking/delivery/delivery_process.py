@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -30,7 +31,11 @@ logger = logging.getLogger("gwenlake_hpc.tracking")
 # After finish()/close() times out, how long the caller still waits for the delivery process's answer before
 # it stops that process and records the state itself.
 SHUTDOWN_GRACE_S = 1.0
-# A delivery process that died is started again, at most this often (seconds).
+# A delivery process that died while the training runs is started again at the tracker's next check (within
+# ``flush_interval_s``), up to QUICK_RESTARTS times in RESTART_WINDOW_S seconds; one that keeps dying (a bug,
+# a lost lease) is then started again at most every RESTART_EVERY_S seconds, not in a loop.
+QUICK_RESTARTS = 3
+RESTART_WINDOW_S = 300.0
 RESTART_EVERY_S = 30.0
 # The delivery process's niceness: it yields the CPU to the training where they compete for it.
 DELIVERY_NICE = 5
@@ -61,6 +66,10 @@ class DeliveryProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._proc_lock = threading.Lock()
         self._last_start = -math.inf
+        self._restarts: list[float] = []  # monotonic times of the restarts by check(), the recent ones
+        # check() (the spool thread) and end()/stop() never both start a process: end() marks this first
+        self._restart_lock = threading.Lock()
+        self._ending = False
 
     @property
     def proc(self) -> subprocess.Popen[bytes] | None:
@@ -137,15 +146,28 @@ class DeliveryProcess:
                 return False
 
     def check(self) -> None:
-        """Start the process again if it died on its own (a bug, the OOM killer), at most every 30 s."""
+        """Start the process again if it died on its own (killed, a bug, the OOM killer), with a warning naming
+        its exit status or signal: at once (the Tracker checks every ``flush_interval_s``), up to
+        :data:`QUICK_RESTARTS` times in :data:`RESTART_WINDOW_S` seconds, then at most every
+        :data:`RESTART_EVERY_S` seconds. Its points wait in the spool meanwhile: none is lost."""
+        with self._restart_lock:
+            if not self._ending:
+                self._check()
+
+    def _check(self) -> None:
         proc = self.proc
         if proc is not None and proc.poll() is None:
             return
-        if time.monotonic() - self._last_start < RESTART_EVERY_S:
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
+        if len(self._restarts) >= QUICK_RESTARTS and now - self._last_start < RESTART_EVERY_S:
             return
         if proc is not None:
-            logger.warning("tracking: the delivery process exited (code %s); starting it again", proc.returncode)
+            logger.warning("tracking: the delivery process (pid %d) died while the training runs (%s); started "
+                           "again (its points wait in the spool of %s)", proc.pid, exit_description(proc.returncode),
+                           self._state_dir)
             _reap(proc)
+        self._restarts.append(now)
         self.start()
 
     def end(self, kind: str, status: str | None, end_time: int, timeout_s: float, after: str | None = None) -> bool:
@@ -154,6 +176,8 @@ class DeliveryProcess:
         ``timeout_s`` seconds (plus :data:`SHUTDOWN_GRACE_S` for the answer). A process that is dead, or dies
         meanwhile (killed on its own), is started again at once, twice at most, within the time left."""
         deadline = time.monotonic() + timeout_s + SHUTDOWN_GRACE_S
+        with self._restart_lock:  # from now on only this end restarts a dead process
+            self._ending = True
         restarts = 0
         while True:
             proc = self.proc
@@ -162,8 +186,8 @@ class DeliveryProcess:
                     return False
                 restarts += 1
                 if proc is not None:
-                    logger.warning("tracking: the delivery process exited (code %s); starting it again to deliver "
-                                   "the last points", proc.returncode)
+                    logger.warning("tracking: the delivery process (pid %d) died (%s); starting it again to "
+                                   "deliver the last points", proc.pid, exit_description(proc.returncode))
                     _reap(proc)
                 self.start()
                 proc = self.proc
@@ -186,10 +210,24 @@ class DeliveryProcess:
 
     def stop(self) -> None:
         """Close the pipe and, if the process is still there, kill it and reap it."""
+        with self._restart_lock:
+            self._ending = True
         with self._proc_lock:
             proc, self._proc = self._proc, None
         if proc is not None:
             _reap(proc)
+
+
+def exit_description(returncode: int | None) -> str:
+    """A process's end in words: ``killed by signal SIGKILL`` for a negative ``returncode`` (Popen's way of
+    saying a signal ended it), ``exit status N`` otherwise."""
+    if returncode is not None and returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = str(-returncode)
+        return f"killed by signal {name}"
+    return f"exit status {returncode}"
 
 
 def _reap(proc: subprocess.Popen[bytes]) -> None:
