@@ -290,6 +290,8 @@ class ContainerConfig:
                 raise ConfigError(f"launcher.container.env.{name}: give a single-line value")
         for bind in self.binds:
             rules.single_line("launcher.container.binds", bind)
+        # the image's path is written into the batch script's setup lines (its identity) and the step's command
+        rules.single_line("launcher.container.image", self.image, "the sbatch script")
 
 
 @dataclass
@@ -365,6 +367,8 @@ class SlurmLauncherConfig(LauncherConfig):
                               "(1 MiB), or null for the cluster's default")
         for key in ("partition", "account", "qos", "gres", "constraint", "exclude"):
             rules.single_line(f"launcher.{key}", getattr(self, key), "sbatch options")
+        # the log folder is an #SBATCH --output line: a newline there would start a directive or a command
+        rules.single_line("launcher.folder", self.folder, "the sbatch script's #SBATCH --output and --error lines")
         rules.gres("launcher.gres", self.gres)
         for name in self.env:
             rules.env_name(f"launcher.env.{name}", name)
@@ -420,6 +424,9 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         # nan or a negative value would reach paramiko as a socket timeout (a traceback, or no timeout at all)
         rules.positive_seconds("cluster.connect_timeout_s", self.connect_timeout_s)
+        # both are written into the scripts run on the login node and the batch script (cd, the interpreter)
+        for key in ("remote_dir", "python"):
+            rules.single_line(f"cluster.{key}", getattr(self, key), "the cluster's scripts")
 
 
 @dataclass
