@@ -289,7 +289,7 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
         return _already_finished(p, done, d)
     # job.resume=never, job.steps below the newest checkpoint, a newest checkpoint this node cannot see yet
     local = _local_level(p, info)
-    point = resume_point(p, float(p.settings.checkpoint.visible_wait_s), local)
+    point = resume_point(p, float(p.settings.checkpoint.visible_wait_s), local, repair=d.is_main)
     if d.is_main:
         log.info("resume point: %s", point.why)
         if local is not None:
