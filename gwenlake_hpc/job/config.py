@@ -74,8 +74,9 @@ class CheckpointConfig:
     Attributes:
         visible_wait_s: seconds a start waits for the newest checkpoint that the run's pointer
             (``checkpoints/LATEST.json``, written at each seal) names but this node's cached listing does not
-            show yet (NFS ``actimeo`` up to 60 s, FUSE ``cache_timeout``); past it the start exits 2 rather than
-            resume from an older checkpoint. 90 by default; 0: no wait.
+            show yet (NFS ``actimeo`` up to 60 s, FUSE ``cache_timeout``); past it the server does not have it:
+            the pointer is damaged, set aside, and the start resumes from the newest intact checkpoint (a damaged
+            manifest it names is set aside at once). 90 by default; 0: no wait.
         local_dir: a node-local disk or RAM disk (absolute path) for the first level of checkpoints
             (:mod:`gwenlake_hpc.stores.checkpoints.levels`): sealed there, then copied to the run directory in the
             background. None (the default): ``$SLURM_TMPDIR`` where it is set, else off; ``off``: off.
