@@ -17,8 +17,8 @@ the sealed checkpoints, ``latest`` verifies them newest first and sets damaged o
 The launchers call :func:`resume_point` before they submit (a refused setting fails at once, not after hours in
 the queue) and the job calls it again where it runs; both read manifests only (no file is hashed; nothing is
 written but, by rank 0 of a start, a damaged pointer or the damaged checkpoint it names set aside:
-:mod:`gwenlake_hpc.stores.checkpoints.pointer`). The Run then opens the checkpoint: it verifies the files (``CheckpointStore.latest``) and sets aside a
-damaged one. Imports no torch, no launcher.
+:mod:`gwenlake_hpc.stores.checkpoints.pointer`). The Run then opens the checkpoint: it verifies the files
+(``CheckpointStore.latest``) and sets aside a damaged one. Imports no torch, no launcher.
 """
 
 from __future__ import annotations

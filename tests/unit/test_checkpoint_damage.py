@@ -156,3 +156,25 @@ def test_a_pointer_the_listing_does_not_show_yet_is_still_followed(run):
 
     assert pointer.follow(store, listed, 1.0, True).path == newest.path
     assert store.pointer()["name"] == newest.path.name
+
+
+def test_a_pointer_naming_a_link_or_a_folder_without_manifest_sets_that_folder_aside(run, tmp_path, caplog):
+    store, newest, outside = run
+    ptr = json.loads((store.root / "LATEST.json").read_text())
+    # a step folder that is a symbolic link to a copy of a real checkpoint elsewhere: damaged at once
+    elsewhere = tmp_path / "elsewhere"
+    newest.path.rename(elsewhere)
+    newest.path.symlink_to(elsewhere, target_is_directory=True)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="gwenlake_hpc.checkpoints"):
+        assert resume_from(store, "auto", verify=True, wait_s=90).step == 100
+    assert time.monotonic() - t0 < 10
+    assert f"is damaged: its folder is a symbolic link (to {elsewhere})" in caplog.text
+    assert not newest.path.is_symlink() and (elsewhere / MANIFEST).exists()  # the link set aside, not its target
+    # a folder without a manifest: waited for (its manifest could be a cached absence), then set aside
+    (store.root / "step-000000125").mkdir()
+    (store.root / "LATEST.json").write_text(json.dumps(ptr))
+    with caplog.at_level(logging.WARNING, logger="gwenlake_hpc.checkpoints"):
+        assert [c.step for c in store.complete(wait_s=1, repair=True)] == [100]
+    assert "is damaged: it has no MANIFEST.json after 1 s (checkpoint.visible_wait_s)" in caplog.text
+    assert len(_aside(store, ".damaged-step-000000125-")) == 2 and store.pointer() is None

@@ -133,7 +133,8 @@ def trained(tmp_path_factory):
     (["+job=t", "launcher=slurm", "launcher.partition='a\nb'"], "control characters"),
     # issue 40 item 13a, the input tried by hand: the folder reached the #SBATCH --output line raw, printing a
     # live #SBATCH --uid=0 directive and a touch command
-    (["+job=t", "launcher=slurm", "launcher.dry_run=true", "launcher.folder='/x/f\n#SBATCH --uid=0\ntouch /x/injproof #'"],
+    (["+job=t", "launcher=slurm", "launcher.dry_run=true",
+      "launcher.folder='/x/f\n#SBATCH --uid=0\ntouch /x/injproof #'"],
      "launcher.folder='/x/f\\n#SBATCH --uid=0\\ntouch /x/injproof #': control characters (newlines) are not "
      "allowed in the sbatch script's #SBATCH --output and --error lines: give it on one line"),
     # the other paths written into a script: the image (setup lines, the step's command), the cluster's checkout

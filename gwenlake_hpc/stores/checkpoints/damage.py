@@ -49,7 +49,10 @@ def read_problem(folder: Path, run_key: str) -> str | None:
     """What makes the ``MANIFEST.json`` of the checkpoint folder ``folder`` (``step-<n>``) damaged as it is read
     now, without waiting: not valid JSON, not of the shape a seal writes (:func:`manifest_problem`), or another
     run's. None when it is readable and this run's, or when it cannot be read at all (no such file or folder: a
-    node's cached view may not show it yet; the caller decides how long to wait for that)."""
+    node's cached view may not show it yet; the caller decides how long to wait for that). A folder that is a
+    symbolic link is damaged too (a seal renames a real folder into place)."""
+    if folder.is_symlink():
+        return f"folder is a symbolic link (to {os.readlink(folder)}), not a checkpoint folder"
     try:
         raw = (folder / MANIFEST).read_bytes()
     except OSError:

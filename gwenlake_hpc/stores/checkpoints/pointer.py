@@ -84,9 +84,13 @@ def follow(store: Any, listed: list[Any], wait_s: float, repair: bool) -> Any:
             break
         time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
     if wait_s > 0:  # the whole wait: this node's cached listing has expired, the server's answer stands
-        why = "is not the one the pointer recorded" if ck is not None else \
-            f"is not on the shared filesystem after {wait_s:g} s (checkpoint.visible_wait_s)"
-        _damaged(store, ptr, why, None, repair)
+        waited = f"after {wait_s:g} s (checkpoint.visible_wait_s)"
+        if ck is not None:  # a checkpoint of this run, but not the one sealed last: the pointer is wrong
+            _damaged(store, ptr, "has another manifest than the one the pointer recorded", None, repair)
+        elif folder.is_dir():  # a folder made by hand, or one whose manifest is gone
+            _damaged(store, ptr, f"it has no {MANIFEST} {waited}", folder, repair)
+        else:
+            _damaged(store, ptr, f"is not on the shared filesystem {waited}", None, repair)
     return None
 
 
