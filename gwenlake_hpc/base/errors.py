@@ -97,8 +97,9 @@ class CheckpointExistsError(CheckpointError, ConfigError):
 
 class CheckpointNotVisibleError(CheckpointError, ConfigError):
     """The run's newest sealed checkpoint (named by its pointer) cannot be seen from this node within
-    ``checkpoint.visible_wait_s``: a stale cache of the shared filesystem. Exit 2 before any work, rather than a
-    resume from an older checkpoint that would lose steps and collide with the newer folders."""
+    ``checkpoint.visible_wait_s``. No longer raised (kept for code that catches it): a pointer whose checkpoint the
+    server still lacks after the wait is damaged, set aside, and the start resumes from the newest intact
+    checkpoint (:mod:`gwenlake_hpc.stores.checkpoints.pointer`)."""
 
     exit_code = EXIT_USAGE
 

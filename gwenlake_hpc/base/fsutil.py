@@ -10,12 +10,24 @@ survives a crash of the node. A place that needs less says why in a comment wher
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
+
+from .errors import ConfigError
+
+#: What a start writes inside its run directory, files and folders. None of them may be a symbolic link: a link
+#: planted there (``checkpoints -> /elsewhere``) would make the start write the lock, its records, the tracking
+#: spool, the model or whole checkpoints into a folder outside the run. (``run.json``, ``.fence``, ``.lease`` and
+#: ``checkpoints/LATEST.json`` are replaced by a rename, which replaces a link rather than writing through it;
+#: they are refused all the same: a start also reads them.)
+RUN_DIR_ENTRIES = (".lock", "run.json", ".fence", ".lease", "ledger", "tracking", "output", "checkpoints", "slurm",
+                   "hangs", ".ranks", "init_models")
 
 
 def umask() -> int:
@@ -141,3 +153,55 @@ def read_json(path: str | os.PathLike, default: Any = None) -> Any:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
         return default
+
+
+def refuse_symlinks(run_dir: str | os.PathLike, entries: Iterable[str] = RUN_DIR_ENTRIES) -> None:
+    """Refuse a run directory that is itself a symbolic link, or that holds one among ``entries`` (the names a
+    start writes, :data:`RUN_DIR_ENTRIES`). Looked at with ``lstat``, never followed; nothing is written.
+
+    The folders above the run directory may be links (``paths.runs_root=/scratch/me`` where ``/scratch`` is a
+    link, or a model's folder): only the run directory's own entry and what is inside it are checked.
+
+    Raises:
+        ConfigError: naming the path, where the link leads, and what to do.
+    """
+    run_dir = Path(run_dir)
+    for path in (run_dir, *(run_dir / name for name in entries)):
+        try:
+            is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+        except OSError:  # not there yet (made by this start), or the run directory is not: nothing to follow
+            continue
+        if not is_link:
+            continue
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        if path == run_dir:
+            raise ConfigError(f"the run directory {path} is a symbolic link (to {target}): a start would write the "
+                              "run's lock, records, model and checkpoints through it into another folder. Remove "
+                              "the link (move that folder back in its place if it holds the run), or point "
+                              "paths.runs_root at the real folder (a runs root reached through a link is fine)")
+        raise ConfigError(f"{path} in the run directory is a symbolic link (to {target}): a start would write into "
+                          f"that folder outside the run. Remove the link (rm {path}); if it holds this run's "
+                          "files, move them back in its place first. To keep checkpoints on another disk, set "
+                          "paths.runs_root there (or checkpoint.local_dir for a node-local level)")
+
+
+def open_append(path: str | os.PathLike, read: bool = False) -> IO[str]:
+    """Open ``path`` (made if missing) to append text, never through a symbolic link: ``O_NOFOLLOW``, so a link
+    planted at that name is refused rather than written through. ``read``: also readable (``a+``).
+
+    Raises:
+        ConfigError: ``path`` is a symbolic link (naming it and the fix).
+        OSError: it cannot be opened otherwise.
+    """
+    flags = (os.O_RDWR if read else os.O_WRONLY) | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(f"{path} is a symbolic link: it is not written through; remove it (rm {path})") \
+                from None
+        raise
+    return os.fdopen(fd, "a+" if read else "a", encoding="utf-8")

@@ -106,7 +106,8 @@ def single_line(key: str, value: Any, where: str = "") -> None:
         ConfigError: naming the key and ``where`` the value goes.
     """
     if isinstance(value, str) and _CONTROL_RE.search(value):
-        raise ConfigError(f"{key}={value!r}: control characters (newlines) are not allowed{' in ' + where if where else ''}")
+        raise ConfigError(f"{key}={value!r}: control characters (newlines) are not allowed"
+                          f"{' in ' + where if where else ''}: give it on one line")
 
 
 #: One item of sbatch's ``--gres``: ``name[:type][:count]`` (``gpu``, ``gpu:2``, ``gpu:a100:2``), count >= 1.

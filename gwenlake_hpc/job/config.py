@@ -74,8 +74,9 @@ class CheckpointConfig:
     Attributes:
         visible_wait_s: seconds a start waits for the newest checkpoint that the run's pointer
             (``checkpoints/LATEST.json``, written at each seal) names but this node's cached listing does not
-            show yet (NFS ``actimeo`` up to 60 s, FUSE ``cache_timeout``); past it the start exits 2 rather than
-            resume from an older checkpoint. 90 by default; 0: no wait.
+            show yet (NFS ``actimeo`` up to 60 s, FUSE ``cache_timeout``); past it the server does not have it:
+            the pointer is damaged, set aside, and the start resumes from the newest intact checkpoint (a damaged
+            manifest it names is set aside at once). 90 by default; 0: no wait.
         local_dir: a node-local disk or RAM disk (absolute path) for the first level of checkpoints
             (:mod:`gwenlake_hpc.stores.checkpoints.levels`): sealed there, then copied to the run directory in the
             background. None (the default): ``$SLURM_TMPDIR`` where it is set, else off; ``off``: off.
@@ -290,6 +291,8 @@ class ContainerConfig:
                 raise ConfigError(f"launcher.container.env.{name}: give a single-line value")
         for bind in self.binds:
             rules.single_line("launcher.container.binds", bind)
+        # the image's path is written into the batch script's setup lines (its identity) and the step's command
+        rules.single_line("launcher.container.image", self.image, "the sbatch script")
 
 
 @dataclass
@@ -365,6 +368,8 @@ class SlurmLauncherConfig(LauncherConfig):
                               "(1 MiB), or null for the cluster's default")
         for key in ("partition", "account", "qos", "gres", "constraint", "exclude"):
             rules.single_line(f"launcher.{key}", getattr(self, key), "sbatch options")
+        # the log folder is an #SBATCH --output line: a newline there would start a directive or a command
+        rules.single_line("launcher.folder", self.folder, "the sbatch script's #SBATCH --output and --error lines")
         rules.gres("launcher.gres", self.gres)
         for name in self.env:
             rules.env_name(f"launcher.env.{name}", name)
@@ -420,6 +425,9 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         # nan or a negative value would reach paramiko as a socket timeout (a traceback, or no timeout at all)
         rules.positive_seconds("cluster.connect_timeout_s", self.connect_timeout_s)
+        # both are written into the scripts run on the login node and the batch script (cd, the interpreter)
+        for key in ("remote_dir", "python"):
+            rules.single_line(f"cluster.{key}", getattr(self, key), "the cluster's scripts")
 
 
 @dataclass

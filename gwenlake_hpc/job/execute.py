@@ -33,7 +33,7 @@ from ..runtime.distributed import teardown as teardown_distributed
 from ..base.errors import (EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, GwenlakeError, NonFiniteError,
                            StartLimitError, as_config_error)
 from .finish import JobResult, Start, finish
-from ..base.fsutil import read_json, write_json_atomic
+from ..base.fsutil import open_append, read_json, refuse_symlinks, write_json_atomic
 from ..base.lease import DEFAULT_TIMEOUT_S as DEFAULT_LEASE_TIMEOUT_S
 from ..base.lease import Lease, holder_gone, read_holder
 from .arguments import bind_arguments
@@ -289,7 +289,8 @@ def _open_lock(run_dir: Path) -> Any:
     while True:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            return open(run_dir / ".lock", "a+")
+            refuse_symlinks(run_dir)  # again as the lock is taken: a link planted since the plan is refused too
+            return open_append(run_dir / ".lock", read=True)  # O_NOFOLLOW
         except FileNotFoundError as exc:
             if time.monotonic() >= deadline:
                 raise ConfigError(f"cannot make the run directory {run_dir} ({exc.strerror}): this node's cache of "
@@ -306,7 +307,7 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
         return _already_finished(p, done, d)
     # job.resume=never, job.steps below the newest checkpoint, a newest checkpoint this node cannot see yet
     local = _local_level(p, info)
-    point = resume_point(p, float(p.settings.checkpoint.visible_wait_s), local)
+    point = resume_point(p, float(p.settings.checkpoint.visible_wait_s), local, repair=d.is_main)
     if d.is_main:
         log.info("resume point: %s", point.why)
         if local is not None:

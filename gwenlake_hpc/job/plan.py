@@ -32,6 +32,7 @@ from .config import GwenlakeConfig, JobConfig
 from .config_typed import typed
 from ..stores.data import Catalog
 from ..base.errors import ConfigError
+from ..base.fsutil import refuse_symlinks
 from ..stores.tracking import default_uri, is_sqlite, sqlite_path, validate_uri
 from ..stores.versioning import default_model_repo, list_versions, open_model_repo
 
@@ -281,10 +282,12 @@ def plan(cfg: DictConfig | Mapping[str, Any], cache: PlanCache | None = None) ->
             model_versions[name] = f"{b.name}@{_resolve_version(repo_path, b)}"
 
     key = make_run_key(tf.output.name, job.model, params, job.seed, datasets, model_versions)
+    run_dir = runs_root / tf.output.name / key
+    refuse_symlinks(run_dir)  # a link planted in it would take the start's writes elsewhere: every rank, at once
     return JobPlan(cfg=cfg, settings=settings, tf=tf, config_obj=config_obj, params=params,
                    tracking_uri=tracking_uri, runs_root=runs_root, repo_path=repo_path,
                    datasets=datasets, dataset_facts=facts, model_versions=model_versions, key=key,
-                   run_dir=runs_root / tf.output.name / key)
+                   run_dir=run_dir)
 
 
 def _effective(job: JobConfig, tf: TrainFunction) -> JobConfig:

@@ -15,9 +15,10 @@ the sealed checkpoints, ``latest`` verifies them newest first and sets damaged o
   is set aside too and the training function starts again from the previous one (:func:`retry_after_damaged_load`).
 
 The launchers call :func:`resume_point` before they submit (a refused setting fails at once, not after hours in
-the queue) and the job calls it again where it runs; both read manifests only (no file is hashed, nothing
-written). The Run then opens the checkpoint: it verifies the files (``CheckpointStore.latest``) and sets aside a
-damaged one. Imports no torch, no launcher.
+the queue) and the job calls it again where it runs; both read manifests only (no file is hashed; nothing is
+written but, by rank 0 of a start, a damaged pointer or the damaged checkpoint it names set aside:
+:mod:`gwenlake_hpc.stores.checkpoints.pointer`). The Run then opens the checkpoint: it verifies the files
+(``CheckpointStore.latest``) and sets aside a damaged one. Imports no torch, no launcher.
 """
 
 from __future__ import annotations
@@ -65,11 +66,13 @@ class ResumePoint:
     why: str
 
 
-def resume_point(p: JobPlan, wait_s: float = 0.0, local: Path | None = None) -> ResumePoint:
+def resume_point(p: JobPlan, wait_s: float = 0.0, local: Path | None = None, repair: bool = False) -> ResumePoint:
     """Decide where this start of ``p``'s run resumes (see the module docstring), before it trains or is
     submitted.
 
-    Reads ``<run_dir>/run.json`` and the checkpoints' manifests; writes nothing and hashes no file. ``wait_s``
+    Reads ``<run_dir>/run.json`` and the checkpoints' manifests; hashes no file and writes nothing unless
+    ``repair`` (rank 0 of a start holding the run: a damaged pointer or the damaged checkpoint it names is set
+    aside, :func:`~gwenlake_hpc.stores.checkpoints.pointer.follow`; otherwise only logged). ``wait_s``
     (``checkpoint.visible_wait_s`` for a start that trains; 0 for a submission): how long to wait for a checkpoint
     the run's pointer names but this node's listing does not show. ``local``: the run's folder on this node's
     local level (``checkpoint.local_dir``; :func:`~gwenlake_hpc.stores.checkpoints.levels.local_root`), whose newer
@@ -85,7 +88,8 @@ def resume_point(p: JobPlan, wait_s: float = 0.0, local: Path | None = None) -> 
     folder = p.run_dir / "checkpoints"  # not created here: a refused or dry-run submission writes nothing
     near = CheckpointStore(local / "checkpoints", p.key) if local is not None and (local / "checkpoints").is_dir() \
         else None
-    newest = resume_from(CheckpointStore(folder, p.key), p.resume, verify=False, wait_s=wait_s, local=near) \
+    newest = resume_from(CheckpointStore(folder, p.key), p.resume, verify=False, wait_s=wait_s, local=near,
+                         repair=repair) \
         if folder.is_dir() or near is not None else resume_from_nothing(p.resume)
     if p.steps is not None and newest is not None and newest.step > p.steps:
         raise ConfigError(f"job.steps={p.steps} is below step {newest.step} of this run's newest checkpoint; "

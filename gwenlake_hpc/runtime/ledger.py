@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from ..base.fsutil import write_atomic
+from ..base.errors import ConfigError
+from ..base.fsutil import open_append, write_atomic
 
 log = logging.getLogger("gwenlake_hpc.ledger")
 
@@ -122,7 +123,7 @@ class StartLedger:
                                     "drain_s": None, "end": None}
         #: Gives the step of the newest sealed checkpoint (None: none yet); the Run sets it.
         self.sealed_of: Callable[[], int | None] = lambda: None
-        self._fh = open(self.path, "a", encoding="utf-8")
+        self._fh = open_append(self.path)  # O_NOFOLLOW: a link planted at its name is refused, not written through
         self._next = 0.0
         self._cost = 1.0  # seconds a record takes to write, measured (a start's first records: assume slow)
         self._lock = threading.RLock()  # the loop's records and the ticking thread's
@@ -229,13 +230,13 @@ class StartLedger:
                 # a long start: the file becomes its last record again (the durable replace), then grows anew
                 self._fh.close()
                 write_atomic(self.path, line)
-                self._fh = open(self.path, "a", encoding="utf-8")
+                self._fh = open_append(self.path)
             else:
                 self._fh.write(line)
                 self._fh.flush()
             took = time.perf_counter() - began
             self._cost = took if self._cost >= 1.0 else 0.8 * self._cost + 0.2 * took
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, ConfigError) as exc:  # ConfigError: a link planted at its name
             log.warning("the goodput ledger %s could not be written: %s (training goes on)", self.path, exc)
             self.close()
 
@@ -263,7 +264,7 @@ def append_end(path: str | os.PathLike[str], reason: str, elapsed_s: float | Non
     last["end"] = reason
     if elapsed_s is not None and elapsed_s > float(last.get("elapsed_s") or 0.0):
         last["elapsed_s"] = round(float(elapsed_s), 6)
-    with open(path, "a", encoding="utf-8") as fh:
+    with open_append(path) as fh:
         fh.write(json.dumps(last, separators=(",", ":")) + "\n")
     return True
 

@@ -131,6 +131,18 @@ def trained(tmp_path_factory):
     (["+job=t", "launcher=slurm", "launcher.nodes=0"], "launcher.nodes=0"),
     (["+job=t", "launcher=slurm", "launcher.mem_gb=0"], "launcher.mem_gb=0"),
     (["+job=t", "launcher=slurm", "launcher.partition='a\nb'"], "control characters"),
+    # issue 40 item 13a, the input tried by hand: the folder reached the #SBATCH --output line raw, printing a
+    # live #SBATCH --uid=0 directive and a touch command
+    (["+job=t", "launcher=slurm", "launcher.dry_run=true",
+      "launcher.folder='/x/f\n#SBATCH --uid=0\ntouch /x/injproof #'"],
+     "launcher.folder='/x/f\\n#SBATCH --uid=0\\ntouch /x/injproof #': control characters (newlines) are not "
+     "allowed in the sbatch script's #SBATCH --output and --error lines: give it on one line"),
+    # the other paths written into a script: the image (setup lines, the step's command), the cluster's checkout
+    (["+job=t", "launcher=slurm", "launcher.dry_run=true", "launcher.container.image='/x/i.sif\ntouch /x/p'"],
+     "launcher.container.image='/x/i.sif\\ntouch /x/p': control characters"),
+    (["+job=t", "cluster=user", "cluster.remote_dir='/shared/me\ntouch /x/p'"],
+     "cluster.remote_dir='/shared/me\\ntouch /x/p': control characters"),
+    (["+job=t", "cluster=user", "cluster.python='python3\nid'"], "cluster.python='python3\\nid': control"),
     (["+job=t", "launcher=slurm", "+launcher.additional_parameters.Mail=x"], "'Mail' is not an sbatch option"),
     (["+job=t", "launcher=slurm", "launcher.container.runtime=docker"], "launcher.container.runtime='docker'"),
     (["+job=t", "launcher=slurm", "launcher.mem_gb=inf"], "launcher.mem_gb=inf: must be a finite number"),

@@ -20,7 +20,7 @@ RESUME_CHOICES = ("auto", "never")
 
 
 def resume_from(store: CheckpointStore, resume: str, *, verify: bool, wait_s: float = 0.0,
-                local: CheckpointStore | None = None) -> Checkpoint | None:
+                local: CheckpointStore | None = None, repair: bool | None = None) -> Checkpoint | None:
     """The checkpoint of ``store`` a start resumes from under ``job.resume=resume``, or None (from step 0).
 
     With a node-local level ``local`` (``checkpoint.local_dir``, see :mod:`.levels`): its newest checkpoint
@@ -29,15 +29,16 @@ def resume_from(store: CheckpointStore, resume: str, *, verify: bool, wait_s: fl
 
     With ``verify`` the files are hashed (:meth:`CheckpointStore.latest`) and damaged checkpoints set aside;
     without, only manifests are read and nothing is written. ``wait_s``: how long to wait for the checkpoint the
-    run's pointer names when this node's listing does not show it (:meth:`CheckpointStore.complete`).
+    run's pointer names when this node's listing does not show it (:meth:`CheckpointStore.complete`); a pointer
+    whose checkpoint is damaged, or still not there after ``wait_s``, is set aside when ``repair`` (default:
+    ``verify``; one process of the start), else only logged, and the listing decides.
 
     Raises:
         ConfigError: ``resume`` is ``never`` and the store holds checkpoints of this run, or ``resume`` is not
-            one of :data:`RESUME_CHOICES`; :class:`~gwenlake_hpc.base.errors.CheckpointNotVisibleError` when the
-            pointer's checkpoint stays invisible for ``wait_s``.
+            one of :data:`RESUME_CHOICES`.
     """
     resume_from_nothing(resume)
-    existing = store.complete(wait_s) if store.root.is_dir() else []
+    existing = store.complete(wait_s, repair=verify if repair is None else repair) if store.root.is_dir() else []
     near = local.complete() if local is not None and local.root.is_dir() else []
     if resume == "never":
         held = store if existing else local if near else None

@@ -45,10 +45,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from ...base.errors import (CheckpointError, CheckpointExistsError, CheckpointFormatError, CheckpointNotVisibleError,
-                            ConfigError)
+from ...base.errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, ConfigError
 from ...base.fsutil import atomic_file, fsync_dir
 from ...base.lease import check_fence
+from . import pointer as _pointer
+from .damage import manifest_problem, names_problem
 from .digest import DEFAULT_ALGORITHM, entry_digest, file_digest
 
 if TYPE_CHECKING:
@@ -58,10 +59,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("gwenlake_hpc.checkpoints")
 
 MANIFEST = "MANIFEST.json"
-#: The run's pointer to its newest sealed checkpoint (``checkpoints/LATEST.json``: step, name, the manifest's
-#: digest), rewritten atomically after each seal. Read by opening the file, it names a checkpoint that a node's
-#: cached directory listing may not show yet (NFS ``actimeo``, FUSE ``cache_timeout``).
-POINTER = "LATEST.json"
+#: The run's pointer to its newest sealed checkpoint (``checkpoints/LATEST.json``; :mod:`.pointer`).
+POINTER = _pointer.POINTER
 PARTIAL_MARK = ".gwenlake-partial"
 RUN_STATE = "gwenlake-run-state.json"
 #: Per-rank state of a multi-task run (RNG, data position): ``gwenlake-ranks/rank-00001.json``.
@@ -498,11 +497,12 @@ class CheckpointStore:
             manifest = json.loads((path / MANIFEST).read_text())
         except (OSError, ValueError):
             return None
-        if not isinstance(manifest, dict) or manifest.get("run_key") != self.run_key \
-                or manifest.get("step") != int(m.group(1)) or not isinstance(manifest.get("files"), dict) \
-                or not all(isinstance(v, dict) and "size" in v for v in manifest["files"].values()):
+        if isinstance(manifest, dict) and manifest.get("run_key") == self.run_key:  # a newer format: refused
+            check_format(manifest.get("format"), FORMAT, f"checkpoint manifest {path / MANIFEST}",
+                         manifest.get("writer"))
+        # damaged (mistyped) or another run's: not a checkpoint of this run (.damage, .pointer set it aside)
+        if manifest_problem(manifest, int(m.group(1))) is not None or manifest.get("run_key") != self.run_key:
             return None
-        check_format(manifest.get("format"), FORMAT, f"checkpoint manifest {path / MANIFEST}", manifest.get("writer"))
         return manifest
 
     def open(self, name: str) -> Checkpoint | None:
@@ -511,25 +511,25 @@ class CheckpointStore:
         manifest = self._read_manifest(path)
         return Checkpoint(path, int(manifest["step"]), manifest) if manifest is not None else None
 
-    def complete(self, wait_s: float = 0.0) -> list[Checkpoint]:
+    def complete(self, wait_s: float = 0.0, repair: bool = False) -> list[Checkpoint]:
         """Checkpoints of this run with a readable manifest, oldest first (files not hashed; see latest).
 
         The directory listing is completed by the checkpoint the run's pointer (:data:`POINTER`) names, opened by
-        its path, when the listing does not show it (a cached listing on another node).
+        its path, when the listing does not show it (a cached listing on another node): :func:`.pointer.follow`.
 
         Args:
             wait_s: seconds to wait for that checkpoint to become visible by its path (``checkpoint.visible_wait_s``);
-                0: take the listing as it is when it cannot be opened.
-
-        Raises:
-            CheckpointNotVisibleError: ``wait_s`` > 0 and the pointer's checkpoint still cannot be opened after it.
+                0: take the listing as it is when it cannot be opened. Past the wait the pointer is damaged.
+            repair: set aside what the pointer names when it is damaged (a manifest that is not valid JSON or
+                lacks its fields, at once; a checkpoint the server does not have after ``wait_s``); without it,
+                only logged (a reader that writes nothing).
         """
         found = []
         for p in self.root.iterdir() if self.root.is_dir() else ():
             manifest = self._read_manifest(p)
             if manifest is not None:
                 found.append(Checkpoint(p, int(manifest["step"]), manifest))
-        pointed = self._pointed(found, wait_s)
+        pointed = _pointer.follow(self, found, wait_s, repair)
         if pointed is not None:
             found.append(pointed)
         return sorted(found, key=lambda c: c.step)
@@ -537,56 +537,25 @@ class CheckpointStore:
     def pointer(self) -> dict[str, Any] | None:
         """The run's pointer (``{"run_key", "step", "name", "manifest_digest"}``), read from the file's content, or
         None (no pointer, an unreadable one, or one another run key wrote)."""
-        try:
-            ptr = json.loads((self.root / POINTER).read_text())
-        except (OSError, ValueError):
-            return None
-        if not isinstance(ptr, dict) or ptr.get("run_key") != self.run_key or not isinstance(ptr.get("step"), int) or \
-                ptr.get("name") != f"step-{ptr['step']:09d}" or not isinstance(ptr.get("manifest_digest"), str):
-            return None
-        return ptr
+        return _pointer.read(self.root, self.run_key)
 
     def point_to(self, final: Path) -> None:
         """Make the pointer name the sealed checkpoint ``final`` (after its rename; one atomic write)."""
-        step = int(_COMPLETE_RE.match(final.name).group(1))  # type: ignore[union-attr]
-        digest = file_digest(final / MANIFEST)
-        with atomic_file(self.root / POINTER, "w") as fh:
-            json.dump({"run_key": self.run_key, "step": step, "name": final.name, "manifest_digest": digest}, fh,
-                      sort_keys=True)
-
-    def _pointed(self, listed: list[Checkpoint], wait_s: float) -> Checkpoint | None:
-        """The pointer's checkpoint when newer than everything ``listed`` and openable by its path (waiting up to
-        ``wait_s`` for it), else None."""
-        ptr = self.pointer()
-        if ptr is None or any(c.step >= ptr["step"] for c in listed):
-            return None
-        deadline = time.monotonic() + max(0.0, float(wait_s))
-        while True:
-            ck = self.open(ptr["name"])
-            if ck is not None and file_digest(ck.path / MANIFEST) == ptr["manifest_digest"]:
-                log.info("checkpoint %s is not in this node's listing of %s yet; found by the run's pointer",
-                         ptr["name"], self.root)
-                return ck
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
-        if wait_s > 0:
-            raise CheckpointNotVisibleError(
-                f"{self.root / POINTER} names checkpoint {ptr['name']} (step {ptr['step']}), which this node cannot "
-                f"open after {wait_s:g} s (checkpoint.visible_wait_s) although another start sealed it: its view "
-                "of the shared filesystem is stale (NFS attribute caching, actimeo; FUSE cache_timeout). Resuming "
-                "from an older checkpoint would lose those steps and fork the run: run the job again, or raise "
-                f"checkpoint.visible_wait_s. If that checkpoint was deleted by hand, delete {POINTER} too")
-        return None
+        _pointer.write(self.root, self.run_key, final, int(_COMPLETE_RE.match(final.name).group(1)))  # type: ignore
 
     def verify(self, ck: Checkpoint, full: bool = False) -> str | None:
         """Check a checkpoint's files against its manifest. Returns None when intact, else what is wrong.
 
         Every file must exist with its recorded size. Files marked ``verify: on_load`` (written by
         ``save_state``) are hashed only with ``full=True``: otherwise ``load_state`` checks their digest while
-        it reads them. All other files are hashed here.
+        it reads them. All other files are hashed here. First of all, every name must stay inside the checkpoint
+        folder (:func:`.damage.names_problem`: no ``..``, no absolute path, no symlink), so no file outside it is
+        ever opened.
         """
         default_alg = ck.manifest.get("digest", "sha256")
+        outside = names_problem(ck.path, ck.manifest.get("files", {}))
+        if outside is not None:
+            return outside
         for rel, info in ck.manifest.get("files", {}).items():
             p = ck.path / rel
             if not p.is_file():
@@ -609,7 +578,7 @@ class CheckpointStore:
         inspection) so that it is neither resumed from, nor counted by retention, nor in the way of the
         checkpoint the resumed run writes at that step.
         """
-        for ck in reversed(self.complete()):
+        for ck in reversed(self.complete(repair=True)):
             problem = self.verify(ck)
             if problem is None:
                 return ck
