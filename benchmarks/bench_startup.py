@@ -165,7 +165,7 @@ def check_tracked(project: Path, c: float) -> None:
 PHASES = [
     ("hydra_compose", "hydra/_internal/hydra.py", "compose_config"), ("plan", "gwenlake_hpc/job/plan.py", "plan"),
     ("plan_import_user_code", "gwenlake_hpc/job/plan.py", "load_target"),
-    ("datasets_open", "gwenlake_hpc/job/plan.py", "open_inputs"), ("lock", "gwenlake_hpc/job/execute.py", "__init__"),  # RunLock
+    ("datasets_open", "gwenlake_hpc/job/plan.py", "open_inputs"), ("lock", "gwenlake_hpc/job/run_lock.py", "__init__"),  # RunLock
     ("tracker_start", "gwenlake_hpc/stores/tracking/tracker.py", "__init__"),
     ("git_code_state", "gwenlake_hpc/stores/versioning/code.py", "code_state"),
     ("datasets_to_frame", "gwenlake_hpc/authoring/short_fit.py", "to_frame"),

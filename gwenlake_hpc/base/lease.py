@@ -24,7 +24,7 @@ GPFS, BeeGFS and FUSE network filesystems all do atomically on the server:
   ``on_lost`` once (the job asks the loop to stop, so the start ends at a step boundary instead of training on).
 
 Not here: when to wait for a held lease and for how long (the job's ``job.lease_wait_s``), the ``flock`` first
-line (:class:`gwenlake_hpc.job.execute.RunLock`). What remains: a start that passed its check and is then frozen
+line (:class:`gwenlake_hpc.job.run_lock.RunLock`). What remains: a start that passed its check and is then frozen
 before the rename it checked for can still complete that one rename after it is fenced (a check and a rename
 are two operations on a filesystem without compare-and-swap); every later write is refused.
 """

@@ -252,7 +252,7 @@ def figure(run_dir: str | Path, uri: str | None = None,
     marks = restart_steps(history, starts)
     from ..runtime import ledger as ledgers
 
-    from ..job.execute import RunLock
+    from ..job.run_lock import RunLock
 
     # a start without an end is running only while its process may be (else it was killed)
     completed = bool((read_json(run_dir / "run.json", default={}) or {}).get("completed"))

@@ -3,6 +3,16 @@
 config -> plan (:mod:`gwenlake_hpc.job.plan`: the function, its bindings, the run key and run directory) -> Run
 (+ tracking) -> the function -> commit of the Output (or, when evicted, nothing but a checkpoint and a
 non-success exit status).
+
+This module owns the job's sequence and its failures: the start limit, the ranks' set-up and teardown, the
+resume point, tracking and the hang watchdog of this start, the training function's call (again after a damaged
+checkpoint) and each failure turned into its exit code. It takes its parts from:
+
+- :mod:`.run_lock`: the run's lock and lease (one start trains a run at a time);
+- :mod:`.start_record`: ``run.json`` (the run's record, this start's entry), SLURM facts and queue times, the
+  goodput ledger;
+- :mod:`.node_local`: this run's folder on the node-local checkpoint level, and the sweep of other runs' folders;
+- :mod:`.finish`: the end of a start (commit, lineage, registration).
 """
 
 from __future__ import annotations
@@ -10,12 +20,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import socket
 import sys
 import time
 import traceback
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
@@ -25,23 +33,20 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..authoring.api import Input, Model
 from ..stores.checkpoints import DamagedFileError
-from ..stores.checkpoints import CheckpointStore
-from ..stores.checkpoints.levels import local_levels, local_root, sweep
 from ..runtime.distributed import Dist
 from ..runtime.distributed import setup as setup_distributed
 from ..runtime.distributed import teardown as teardown_distributed
-from ..base.errors import (EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, GwenlakeError, NonFiniteError,
-                           StartLimitError, as_config_error)
+from ..base.errors import (EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, NonFiniteError, StartLimitError,
+                           as_config_error)
 from .finish import JobResult, Start, finish
-from ..base.fsutil import open_append, read_json, refuse_symlinks, write_json_atomic
-from ..base.lease import DEFAULT_TIMEOUT_S as DEFAULT_LEASE_TIMEOUT_S
-from ..base.lease import Lease, holder_gone, read_holder
 from .arguments import bind_arguments
+from .node_local import local_level, sweep_local_levels
 from .output_dir import clear_unfinished, output_dir
 from .plan import JobPlan, open_inputs, plan
 from .resume import finished_with, resume_point, retry_after_damaged_load
-from .run_environment import check_same_image, container_start
-from ..base.processes import pid_gone, shield_children
+from .run_lock import RunLock
+from .start_record import record_first_step, record_start, run_record, slurm_facts, start_ledger
+from ..base.processes import shield_children
 from ..runtime import ledger as ledgers
 from ..runtime.signals import StopInterrupt, StopRequest
 from ..stores.tracking import NullTracker, Tracker, flatten, is_sqlite, state_dir_for, user_mlflow
@@ -55,41 +60,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("gwenlake_hpc.job")
 
 EXIT_INTERRUPTED = 130
-
-
-# --- SLURM facts and the entry point ---------------------------------------------------------------------------
-
-def slurm_facts() -> dict[str, str]:
-    """SLURM job facts of this process from its environment (empty outside SLURM)."""
-    keys = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT",
-            "SLURM_JOB_PARTITION", "SLURM_JOB_NODELIST", "SLURM_PROCID")
-    return {k: os.environ[k] for k in keys if k in os.environ}
-
-
-def slurm_queue_times(job_id: str | None, run: Any = None) -> dict[str, Any]:
-    """This start's times as the SLURM controller has them (``scontrol show job``: ``SubmitTime``,
-    ``EligibleTime``, ``StartTime``, one clock) and ``queue_s``, its wait from eligible to started (seconds);
-    {} outside SLURM or when scontrol does not answer within 10 s. ``run``: the command runner (tests)."""
-    import re
-    import subprocess
-    from datetime import datetime
-
-    if not job_id:
-        return {}
-    try:
-        out = (run or (lambda cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout))(
-            ["scontrol", "show", "job", "-o", str(job_id)])
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    found = dict(re.findall(r"\b(SubmitTime|EligibleTime|StartTime)=(\S+)", out or ""))
-    facts: dict[str, Any] = {k: found[n] for k, n in (("submitted", "SubmitTime"), ("eligible", "EligibleTime"),
-                                                       ("started", "StartTime")) if n in found}
-    try:
-        facts["queue_s"] = max(0.0, (datetime.fromisoformat(found["StartTime"])
-                                     - datetime.fromisoformat(found["EligibleTime"])).total_seconds())
-    except (KeyError, ValueError):
-        pass
-    return facts
 
 
 # --- the job -------------------------------------------------------------------------------------------------
@@ -189,132 +159,22 @@ def _initial_model(p: JobPlan, name: str, b: Model, d: Dist) -> tuple[Path, str]
     return dest, version
 
 
-class RunLock:
-    """One start trains a run at a time: an exclusive ``flock`` on ``<run_dir>/.lock``, then the run's lease
-    (:class:`gwenlake_hpc.base.lease.Lease`), both held while the job runs.
-
-    ``flock`` is the fast first line: on a local disk and on NFS with lock support it refuses a second process
-    at once. Where the filesystem refuses locks (ENOLCK) the job goes on with a warning; where ``flock`` is local
-    to a node (BeeGFS, Lustre ``localflock``, FUSE) the lease, taken by an atomic create on the server, is what
-    holds across nodes, and its fence refuses every write of a start that lost it.
-
-    Args:
-        run_dir: the run directory.
-        wait_s: seconds to wait for the ``flock`` and the lease of a live holder; None: 0 for a first start,
-            ``max(180, 2 x lease_timeout_s)`` for a requeued SLURM start (the lock or lease of its lost node
-            may outlive it that long). ``job.lease_wait_s`` when set.
-        lease_timeout_s: ``job.lease_timeout_s``, seconds without renewal after which a lease is broken.
-        on_lost: called once with the reason if this start's lease is found taken (the job requests a stop).
-
-    Raises:
-        ConfigError: another process holds the run (its host and pid are named), or the lease is held by a live
-            start (:class:`~gwenlake_hpc.base.lease.RunHeldError`, naming it).
-    """
-
-    def __init__(self, run_dir: Path, wait_s: float | None = None, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
-                 on_lost: Any = None):
-        import fcntl
-
-        if wait_s is None:
-            # A requeued SLURM job may start while the lock of its lost node has not expired yet (NFS leases
-            # last about 90 s): wait for it there; locally, a second process is refused at once.
-            requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
-            wait_s = max(180.0, 2.0 * float(lease_timeout_s)) if requeued else 0.0
-        self._fh = _open_lock(run_dir)
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(self._fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() < deadline:
-                    time.sleep(2.0)
-                    continue
-                self._fh.seek(0)
-                holder = self._fh.read().strip() or "another process"
-                self._fh.close()
-                raise ConfigError(f"run {run_dir} is being trained by {holder}; wait for it to end (two processes "
-                                  "on one run would fork its checkpoints and its MLflow curve)") from None
-            except OSError as exc:
-                log.warning("cannot lock %s (%s): the run's lease alone keeps a second start out", run_dir, exc)
-                break
-        try:
-            self.lease = Lease(run_dir, timeout_s=lease_timeout_s, wait_s=max(0.0, deadline - time.monotonic()),
-                               facts={"slurm_job_id": os.environ.get("SLURM_JOB_ID", "")},
-                               on_lost=on_lost).acquire()
-        except BaseException:
-            self._fh.close()
-            raise
-        self._fh.seek(0)
-        self._fh.truncate()
-        self._fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        self._fh.flush()
-
-    def release(self) -> None:
-        self.lease.release()
-        self._fh.close()  # closing drops the flock
-
-    @staticmethod
-    def may_be_held(run_dir: Path) -> bool:
-        """Whether a process may be training ``run_dir`` now: the last holder named in ``.lock`` runs on another
-        host (it cannot be seen from here) or is alive on this one. False when no process ever held it or its
-        holder on this host is gone. Reads only: probing the flock itself could refuse a start at that moment.
-        The run's lease, when there is one, names the holder (a lease released at a start's end is gone)."""
-        lease = read_holder(run_dir)
-        if lease is not None and lease.token:
-            return not holder_gone(lease)
-        try:
-            m = re.fullmatch(r"pid (\d+) on (\S+)", (run_dir / ".lock").read_text().strip())
-        except OSError:
-            return False
-        if m is None:
-            return False
-        return m.group(2) != socket.gethostname() or not pid_gone(int(m.group(1)))
-
-
-#: Seconds a start retries its run directory that this node's cache shows but the server no longer has (deleted
-#: from another node): NFS's ``acdirmax`` is 60 s by default.
-STALE_DIR_WAIT_S = 90.0
-
-
-def _open_lock(run_dir: Path) -> Any:
-    """Open ``<run_dir>/.lock``, making the folder. A folder deleted on the shared filesystem from elsewhere that
-    this node's cache still shows cannot be made again until the cache expires: retried for
-    :data:`STALE_DIR_WAIT_S`.
-
-    Raises:
-        ConfigError: still not possible after that.
-    """
-    deadline = time.monotonic() + STALE_DIR_WAIT_S
-    while True:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            refuse_symlinks(run_dir)  # again as the lock is taken: a link planted since the plan is refused too
-            return open_append(run_dir / ".lock", read=True)  # O_NOFOLLOW
-        except FileNotFoundError as exc:
-            if time.monotonic() >= deadline:
-                raise ConfigError(f"cannot make the run directory {run_dir} ({exc.strerror}): this node's cache of "
-                                  "the shared filesystem still shows a folder deleted elsewhere; run the job again "
-                                  "in a minute") from None
-            time.sleep(1.0)
-
-
 def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Dist) -> JobResult:
     info_path = p.run_dir / "run.json"
-    info = _run_record(p, info_path)
+    info = run_record(p, info_path)
     done = finished_with(info, p.steps, p.epochs)
     if done is not None:
         return _already_finished(p, done, d)
     # job.resume=never, job.steps below the newest checkpoint, a newest checkpoint this node cannot see yet
-    local = _local_level(p, info)
+    local = local_level(p, info)
     point = resume_point(p, float(p.settings.checkpoint.visible_wait_s), local, repair=d.is_main)
     if d.is_main:
         log.info("resume point: %s", point.why)
         if local is not None:
-            _sweep_local_levels(local)
+            sweep_local_levels(local)
     past = ledgers.summarize(ledgers.read_ledger(p.run_dir))  # the earlier starts (before this one's file exists)
-    container = _record_start(p, info, info_path, d)
-    ledger = _start_ledger(p, info, d)
+    container = record_start(p, info, info_path, d)
+    ledger = start_ledger(p, info, d)
     code = code_state(Path(sys.modules[p.tf.fn.__module__].__file__ or ".").resolve().parent
                       if getattr(sys.modules.get(p.tf.fn.__module__), "__file__", None) else Path.cwd())
     reporting = _open_tracking(p, info, code, container, d)
@@ -328,64 +188,6 @@ def _execute_locked(p: JobPlan, kwargs: dict[str, Any], stop: StopRequest, d: Di
     finally:
         if ledger is not None:
             ledger.end(reason, stop.received_at, stop.reason)
-
-
-def _local_level(p: JobPlan, info: Mapping[str, Any]) -> Path | None:
-    """The run's folder on this node's local level of checkpoints (``checkpoint.local_dir``, else
-    ``$SLURM_TMPDIR``), or None when off; ``info``: the run's record, whose ``uid`` keys the folder to this run
-    directory."""
-    base = p.settings.checkpoint.local_level()
-    if base is None and p.settings.checkpoint.local_dir is None and os.environ.get("SLURM_TMPDIR"):
-        log.warning("SLURM_TMPDIR=%s is not an absolute path: no node-local checkpoint level (set "
-                    "checkpoint.local_dir, or checkpoint.local_dir=off to silence this)", os.environ["SLURM_TMPDIR"])
-    if base is not None and p.settings.checkpoint.local_dir is None and \
-            (base.resolve() == p.runs_root.resolve() or p.runs_root.resolve() in base.resolve().parents):
-        log.warning("SLURM_TMPDIR=%s is inside paths.runs_root=%s: no node-local checkpoint level (set "
-                    "checkpoint.local_dir to a node-local path, or checkpoint.local_dir=off)", base, p.runs_root)
-        return None
-    return local_root(base, p.run_dir, p.key, str(info.get("uid") or "")) if base is not None else None
-
-
-def _sweep_local_levels(mine: Path) -> None:
-    """Remove what other runs left on this node's local level (best effort, rank 0, before training): a folder
-    of a run directory that is gone or was made anew (another ``run.json`` uid), or of a run whose shared level
-    holds everything it has (finished, or trained on with ``checkpoint.local_dir=off``). A folder a process holds
-    (:func:`~gwenlake_hpc.stores.checkpoints.levels.in_use`) is never touched; one whose newest checkpoint the
-    shared level lacks (an eviction before its copy) stays for that run's next start on this node."""
-    base = mine.parent.parent
-    for folder, level in local_levels(base):
-        if folder == mine:
-            continue
-        try:
-            run_dir, key = Path(str(level.get("run_dir") or "")), str(level.get("run_key") or "")
-            info = read_json(run_dir / "run.json", default=None) if run_dir.is_absolute() else None
-            uid = info.get("uid") if isinstance(info, dict) else None
-            why = "its run directory is gone" if uid is None else \
-                "its run directory was made anew" if local_root(base, run_dir, key, str(uid)) != folder else None
-            if why is None:
-                near = CheckpointStore(folder / "checkpoints", key).complete() if (folder / "checkpoints").is_dir() \
-                    else []
-                far = CheckpointStore(run_dir / "checkpoints", key).complete() \
-                    if (run_dir / "checkpoints").is_dir() else []
-                if near and (not far or far[-1].step < near[-1].step):
-                    continue  # it has what the shared level lacks
-                why = "the shared level holds all it has"
-            if sweep(folder):
-                log.info("removed %s from the node-local checkpoint level: %s (run %s)", folder, why, run_dir)
-        except (OSError, ValueError, GwenlakeError) as exc:  # another run's files: never a reason to fail this one
-            log.debug("could not sweep %s: %s", folder, exc)
-
-
-def _start_ledger(p: JobPlan, info: Mapping[str, Any], d: Dist) -> Any:
-    """This start's goodput ledger (rank 0; None on the other ranks and for a short fit, which has no loop)."""
-    if not d.is_main or getattr(p.tf, "is_short", False):
-        return None
-    index = ledgers.free_index(p.run_dir, len(info["starts"]) - 1)
-    last = info["starts"][-1]
-    facts = {"host": last.get("host"), "slurm_job_id": last.get("SLURM_JOB_ID"),
-             "slurm_restart_count": last.get("SLURM_RESTART_COUNT"), "world_size": d.world_size,
-             **slurm_queue_times(last.get("SLURM_JOB_ID"))}
-    return ledgers.StartLedger(ledgers.start_path(p.run_dir, index), index, facts)
 
 
 def _mtbf(p: JobPlan, past: Mapping[str, Any], ledger: Any) -> Any:
@@ -410,31 +212,6 @@ def _end_reason(exit_code: int, stop: StopRequest) -> str:
     return ledgers.FAILURE
 
 
-def _run_record(p: JobPlan, info_path: Path) -> dict[str, Any]:
-    """The run's record (``run.json``) as earlier starts left it, or a new one from the plan.
-
-    Raises:
-        ConfigError: ``run.json`` is not a JSON object with a list of starts (edited, truncated by hand): the
-            run is not touched.
-    """
-    try:
-        info = read_json(info_path, default=None)
-    except ValueError as exc:
-        info = exc
-    if info is not None and not (isinstance(info, dict) and isinstance(info.get("starts", []), list)):
-        why = f"not JSON ({info})" if isinstance(info, ValueError) else "not an object with a list of starts"
-        raise ConfigError(f"{info_path} is damaged: {why}. Restore it from a copy, or move the run directory "
-                          "aside to train the run anew")
-    info = info or {
-        "run_key": p.key, "model": p.model_name, "run_name": p.run_name, "target": p.tf.target,
-        "params": p.params, "seed": p.seed, "datasets": p.dataset_facts, "init_models": p.model_versions,
-        "created": time.time(), "starts": [], "completed": None,
-    }
-    # Tells this run directory from another one of the same run key (another runs_root): a version records it.
-    info.setdefault("uid", uuid.uuid4().hex)
-    return info
-
-
 def _already_finished(p: JobPlan, done: Mapping[str, Any], d: Dist) -> JobResult:
     """A rerun of a run that committed a version for these steps/epochs: nothing trains, its version is printed."""
     log.info("run %s already finished at step %s; nothing to train", p.run_dir, done.get("final_step"))
@@ -443,29 +220,6 @@ def _already_finished(p: JobPlan, done: Mapping[str, Any], d: Dist) -> JobResult
     if d.is_main:
         print(f"model {p.model_name} version {done['version']}", flush=True)
     return JobResult(0, done["version"], p.run_dir, done.get("final_step"))
-
-
-def _record_start(p: JobPlan, info: dict[str, Any], info_path: Path, d: Dist) -> dict[str, Any] | None:
-    """Append this start (time, host, pid, SLURM facts, container) to ``info`` and write it (rank 0).
-
-    Returns the container this start runs in (``launcher.container``), None without one.
-
-    Raises:
-        ConfigError: the image changed while pinned (before anything is written).
-    """
-    start = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), "first_step": None,
-             **slurm_facts()}
-    if d.enabled:
-        start["world_size"] = d.world_size
-    container = container_start()  # launcher.container: the image this start runs in (None without one)
-    if container:
-        check_same_image(info["starts"], container)  # warns, or refuses when pinned (before anything is written)
-        start["container"] = container
-    info["starts"].append(start)
-    if d.is_main:
-        write_json_atomic(info_path, info)
-    log.info("run directory: %s (rank %d of %d)", p.run_dir, d.rank, d.world_size)
-    return container
 
 
 @dataclass
@@ -544,9 +298,9 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
                        seed=p.seed, tracker=tracker, stop=stop, resume=p.resume, on_nonfinite=p.on_nonfinite,
                        progress=launcher.progress, progress_every_s=launcher.progress_every_s, dist=d,
                        heartbeat=heartbeat, slow_rank_factor=float(p.settings.job.slow_rank_factor),
-                       on_loop_start=lambda first: _record_first_step(start, first, d), ledger=start.ledger,
+                       on_loop_start=lambda first: record_first_step(start, first, d), ledger=start.ledger,
                        mtbf_s=start.mtbf_s, max_eval_interval_s=float(p.settings.job.max_eval_interval_s),
-                       local_dir=_local_level(p, start.info), shared_wait_s=float(p.settings.checkpoint.shared_wait_s))
+                       local_dir=local_level(p, start.info), shared_wait_s=float(p.settings.checkpoint.shared_wait_s))
         except BaseException:
             tracker.close()
             raise
@@ -620,15 +374,6 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
         if installed:
             stop.uninstall()
         _stop_watchdog(heartbeat, watchdog)
-
-
-def _record_first_step(start: Start, first: int, d: Dist) -> None:
-    """Write this start's first step into its entry of ``run.json`` (rank 0) as its loop begins (a start that
-    fails before, in the function's set-up, has none): ``report`` marks restarts there, not by comparing wall
-    clocks of different hosts (a node whose clock is behind would put the mark at the wrong step)."""
-    start.info["starts"][-1]["first_step"] = int(first)
-    if d.is_main:
-        write_json_atomic(start.info_path, start.info)
 
 
 @contextlib.contextmanager

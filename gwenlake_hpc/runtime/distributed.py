@@ -19,8 +19,12 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .signals import StopRequest
 
 
 log = logging.getLogger("gwenlake_hpc.distributed")
@@ -149,6 +153,23 @@ class Dist:
             import torch.distributed as dist
 
             dist.barrier(group=self._control)
+
+
+def agree_on_stop(d: Dist, stop: StopRequest) -> bool:
+    """Whether any rank was asked to stop; a rank that was not records the other's reason (for its log).
+
+    One decision for all ranks (a collective in a multi-task run): a stop request seen by any rank stops
+    every rank after the same step (the Run's loop asks before each step)."""
+    if not d.enabled:
+        return stop.requested
+    # One collective carries who stopped and why: signal number (0: a request without a signal), then rank.
+    mine = ((int(stop.signum or 0) + 1) << 20) + d.rank if stop.requested else 0
+    agreed = d.max(mine)
+    if agreed and not stop.requested:
+        signum, rank = (agreed >> 20) - 1, agreed & ((1 << 20) - 1)
+        why = signal.Signals(signum).name if signum > 0 else "a stop request"
+        stop.request(f"{why} on rank {rank}")
+    return bool(agreed)
 
 
 def from_environment() -> tuple[int, int, int] | None:

@@ -4,12 +4,14 @@ The :class:`Run` itself owns:
 
 - the loop (:meth:`Run.steps`): step numbering, ``at_eval``, the batches fed from the resume point (fast-forward
   without reading the skipped data when it can), a stop request turned into an ordinary end of loop between two
-  steps, agreed by every rank;
-- the resume facts: the checkpoint chosen at start (``resumed``, ``resume_path``, ``start_step``) and its state;
+  steps, agreed by every rank (:func:`~.distributed.agree_on_stop`);
+- the resume facts: the checkpoint chosen at start (``resumed``, ``resume_path``, ``start_step``);
 - its own state saved in every checkpoint (:meth:`Run.state_dict`: step, data position, RNG); the public API.
 
 It builds, in ``__init__``, and owns a :class:`~.timing.StepTimes` (the ``time/*`` accumulators, shared), and:
 
+- a :class:`~.run_resume.RunResume`: the checkpoint levels (shared, node-local, the copier between them), the
+  checkpoint chosen at start and this rank's state in it, checked and restored as the loop begins;
 - a :class:`~.run_metrics.RunMetrics`: ``run.log``, non-finite losses, the breakdown, ``run.summary()``;
 - a :class:`~.run_checkpoints.RunCheckpoints`: ``run.checkpoint()`` (asynchronous by default: the loop waits
   only for a copy of the state), ``run.wait_for_checkpoint()``, ``run.latest_checkpoint``.
@@ -17,29 +19,28 @@ It builds, in ``__init__``, and owns a :class:`~.timing.StepTimes` (the ``time/*
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping
 
 from ..base import rules
 from ..stores.checkpoints import Checkpoint, CheckpointStore
-from ..stores.checkpoints.levels import LEVELS, DEFAULT_SHARED_WAIT_S, SharedCopier, drop_local, local_store
-from ..stores.checkpoints.resume import RESUME_CHOICES, resume_from
+from ..stores.checkpoints.levels import DEFAULT_SHARED_WAIT_S
+from ..stores.checkpoints.resume import RESUME_CHOICES
 from ..stores.checkpoints.writer import async_default
-from .distributed import Dist
+from .distributed import Dist, agree_on_stop
 from .heartbeat import DONE
 from .interval import AUTO, DEFAULT_MAX_INTERVAL_S, DEFAULT_MTBF_H, AutoInterval
-from .feed import batch_stream, is_plan, resolve_total, warn_persistent_workers
-from ..base.errors import ConfigError
+from .feed import batch_stream, resolve_total, warn_persistent_workers
 from .progress import Progress
 from .ranks import DEFAULT_FACTOR, RankSpeeds
-from .rng import rng_state, seed_everything, set_rng_state, shield_workers
+from .rng import rng_state, shield_workers
 from .run_checkpoints import CheckpointWriter, RunCheckpoints  # noqa: F401 (CheckpointWriter re-exported)
 from .run_metrics import RunMetrics
+from .run_resume import RunResume
 from .signals import StopRequest
 from .timing import StepTimes
 
@@ -140,11 +141,10 @@ class Run:
         self.checkpoint_async = async_default() if checkpoint_async is None else bool(checkpoint_async)
         self.store = CheckpointStore(self.run_dir / "checkpoints", run_key)
         self._shared_wait_s = float(shared_wait_s)
-        self._copy_resumed: Checkpoint | None = None  # a local checkpoint resumed from, to copy when the loop begins
-        self._local = self._local_level(local_dir)
-        latest = self._choose_checkpoint(resume)
+        self._resume = RunResume(self.store, self.dist, self.run_dir, run_key, seed, resume, local_dir)
+        latest = self._resume.checkpoint
         self._resumed_from: Checkpoint | None = latest
-        self._run_state = self._own_state(latest) if latest else None
+        self._run_state = self._resume.state
         self.start_step = latest.step if latest else 0
         self.step = self.start_step
         self.epoch = 0
@@ -158,8 +158,8 @@ class Run:
         self._times = StepTimes()
         # Where a rank other than 0 puts its (discarded) checkpoint files; its Output is a sibling folder.
         scratch = self.run_dir / ".ranks" / f"rank-{self.rank:05d}" / "checkpoint"
-        self._checkpoints = RunCheckpoints(self._local or self.store, self.dist, self._times, tracker, scratch, latest,
-                                           self._copier(latest))
+        self._checkpoints = RunCheckpoints(self._resume.local or self.store, self.dist, self._times, tracker, scratch,
+                                           latest, self._resume.copier)
         self._heartbeat = self._checkpoints.heartbeat = heartbeat  # the hang watchdog's view (None: no watchdog)
         self._metrics = RunMetrics(tracker, self._times, self.dist.is_main, on_nonfinite, self._checkpoints.wait)
         if latest is not None:  # a rerun with no step left still has the values its summary() returns
@@ -172,101 +172,16 @@ class Run:
         if ledger is not None:
             ledger.sealed_of = lambda: self._checkpoints.latest.step if self._checkpoints.latest else None
 
-    def _choose_checkpoint(self, resume: str) -> Checkpoint | None:
-        """The checkpoint this run resumes from (None: from step 0).
-
-        Rank 0 removes the partial checkpoints an interrupted writer left, and chooses the newest complete one
-        (setting damaged ones aside) by the resume rule (:func:`~gwenlake_hpc.stores.checkpoints.resume.resume_from`);
-        every rank resumes from its choice.
-
-        Raises:
-            ConfigError: ``resume`` is ``never`` and the store already holds checkpoints of this run.
-            RuntimeError: a rank other than 0 cannot read the checkpoint rank 0 chose.
-        """
-        latest = None
-        if self.dist.is_main:
-            removed = self.store.clean_partials() + (self._local.clean_partials() if self._local else [])
-            if removed:
-                log.info("removed %d partial checkpoint(s) left by an interrupted writer", len(removed))
-            latest = resume_from(self.store, resume, verify=True, local=self._local)
-            if latest is not None and self._local is not None and latest.path.parent == self._local.root:
-                log.info("resuming from the node-local level: %s is newer than the shared level's newest", latest.path)
-        name, near = self.dist.broadcast((latest.path.name, latest.path.parent != self.store.root) if latest
-                                         else (None, False))
-        if not self.dist.is_main and name is not None:
-            latest = (self._local if near and self._local else self.store).open(name)
-            if latest is None:
-                raise RuntimeError(f"rank {self.rank}: checkpoint {name} chosen by rank 0 is not readable here; "
-                                   "is the run directory on a filesystem shared by all nodes?")
-        return latest
-
-    def _local_level(self, local_dir: Path | None) -> CheckpointStore | None:
-        """The store of the node-local first level (rank 0 makes its folder; every rank takes rank 0's path), or
-        None: off, or ranks on several nodes (a checkpoint of several nodes' ranks is one folder they all write
-        into: the shared one). Without a local level, rank 0 removes a levels' record an earlier start left."""
-        if self.dist.enabled:
-            local_dir = self.dist.broadcast(local_dir)
-            host = socket.gethostname()
-            if local_dir is not None and self.dist.any(self.dist.broadcast(host) != host):
-                if self.is_main:
-                    log.info("checkpoint.local_dir is not used: this run's ranks are on several nodes, and each "
-                             "checkpoint is one folder they all write into (the shared level)")
-                local_dir = None
-        if local_dir is None:
-            if self.is_main:
-                (self.store.root / LEVELS).unlink(missing_ok=True)  # no local level now: nothing to show
-            return None
-        if self.is_main:
-            return local_store(Path(local_dir), self.run_dir, self.run_key)
-        return CheckpointStore(Path(local_dir) / "checkpoints", self.run_key)
-
-    def _copier(self, latest: Checkpoint | None) -> SharedCopier | None:
-        """Rank 0's copier to the shared level (with a local level). A resume from a local checkpoint newer than
-        the shared level's newest has it copied once the loop begins (after the training loaded it: a file
-        damaged since its seal is found by ``load_state`` first)."""
-        if self._local is None or not self.is_main:
-            return None
-        shared = self.store.complete()
-        copier = SharedCopier(self._local, self.store, shared[-1].step if shared else None)
-        if latest is not None and latest.path.parent == self._local.root and \
-                (copier.shared_step is None or latest.step > copier.shared_step):
-            self._copy_resumed = latest
-        return copier
-
     def release_local_level(self) -> None:
         """At the end of a run whose version is committed (rank 0; the job calls it): wait for the copy of the
         newest checkpoint, then remove the run's local level, so no node keeps a finished run's checkpoints.
         Nothing when the shared level lacks the newest (a failed copy: the local one stays for a resume)."""
-        checkpoints = self._checkpoints
-        copier = checkpoints.copier
-        if copier is None or self._local is None:
-            return
-        checkpoints.wait(raise_error=False)
-        kept = self._local.complete()  # a newest one found damaged while copied was set aside
-        if not kept or (copier.shared_step is not None and copier.shared_step >= kept[-1].step):
-            drop_local(self._local, self.store)
+        self._resume.release_local_level(self._checkpoints.wait)
 
     @property
     def is_main(self) -> bool:
         """True on rank 0 (always in a single-process run): the rank that writes, logs and commits."""
         return self.dist.is_main
-
-    def _own_state(self, ck: Checkpoint) -> dict[str, Any]:
-        """This rank's state from a checkpoint: rank 0's is the Run state, the others' their rank files."""
-        state = ck.run_state()
-        if self.rank == 0 and state.get("world_size", 1) == self.world_size:
-            return state
-        mine = ck.rank_state(self.rank) if self.rank else state
-        if mine is None or state.get("world_size", 1) != self.world_size:
-            log.warning("checkpoint %s was written by %s rank(s), this run has %d: rank %d's RNG is re-seeded "
-                        "and the rest of the epoch is split among the new ranks, so the resumed run is not "
-                        "identical to an uninterrupted one",
-                        ck.path.name, state.get("world_size", 1), self.world_size, self.rank)
-            seed_everything(self.seed + self.rank)
-            return {**{k: v for k, v in state.items() if k != "rng_epoch_start"}, "rng": rng_state()}
-        if mine is not state and "rng_epoch_start" not in mine:
-            state = {k: v for k, v in state.items() if k != "rng_epoch_start"}  # rank 0's, not this rank's
-        return {**state, **mine}
 
     # -- resume facts ------------------------------------------------------------------------------------------
     @property
@@ -336,7 +251,8 @@ class Run:
         times, metrics, checkpoints, progress = self._times, self._metrics, self._checkpoints, self._progress
         writer, step, stop = checkpoints.writer, self.start_step, self._stop
         raise_if_failed, check_handlers, update = writer.raise_if_failed, stop.check_handlers, progress.update
-        agree = self._agree_on_stop if self.dist.enabled else None  # else: this process's own stop request
+        # one decision for all ranks (a collective); else: this process's own stop request
+        agree = functools.partial(agree_on_stop, self.dist, stop) if self.dist.enabled else None
         beat, first = (self._heartbeat.beat if self._heartbeat is not None else None), self.start_step + 1
         ledger, auto, every = self._ledger, self._auto, self.eval_every if self._auto is None else 0
         speeds = self._speeds
@@ -408,9 +324,7 @@ class Run:
             raise RuntimeError("run.steps() can be iterated once per training")
         self._iterated = True
         self._stop.disarm()  # from here a stop signal only sets the flag the loop reads between two steps
-        if self._copy_resumed is not None and self._checkpoints.copier is not None:
-            self._checkpoints.copier.submit(self._copy_resumed, None)  # the training has loaded it by now
-            self._copy_resumed = None
+        self._resume.copy_resumed()  # the training has loaded it by now
         if fixed is not None:
             rules.whole_number("run.steps(total=)", fixed, 0)
             self._steps_setting, self.epochs = int(fixed), None
@@ -418,21 +332,7 @@ class Run:
         self.total_steps = total
         shield_workers(batches)
         warn_persistent_workers(batches)
-        was = (self._run_state or {}).get("world_size", 1)
-        if self._run_state is not None and self._steps_setting is None and was != self.world_size:
-            # An epoch is len(batches) // world_size steps: another number of ranks changes the run's length.
-            raise ConfigError(f"this run's checkpoints were written by {was} rank(s) and this job has "
-                              f"{self.world_size}: with job.epochs the number of steps depends on it; run it with "
-                              f"{was} task(s), or set job.steps, or start a new run (job.model=...)")
-        resume = self._run_state
-        if resume is not None and (batches is None or self.start_step >= total
-                                   or (is_plan(batches) and per_epoch)):
-            set_rng_state(resume["rng"])  # else the stream restores it, see feed.batch_stream
-            resume = None
-        if self.resumed:
-            log.info("resuming from step %d (%s)", self.start_step, self.resume_path)
-        elif self.is_main:  # say where it looked: a mistyped paths.runs_root would otherwise start over silently
-            log.info("no checkpoint of this run in %s: training from step 0", self.store.root)
+        resume = self._resume.begin_loop(batches, total, per_epoch, self._steps_setting is None)
         if self.start_step >= total:
             if self.start_step > total:
                 log.warning("checkpoint at step %d is beyond the %d steps asked for: nothing to train",
@@ -616,20 +516,3 @@ class Run:
         """A block in which a stop signal raises :class:`gwenlake_hpc.runtime.signals.StopInterrupt` at once (see
         :meth:`StopRequest.interrupting`); used by short fits, which have nothing to save half-way."""
         return self._stop.interrupting()
-
-    def _agree_on_stop(self) -> bool:
-        """Whether any rank was asked to stop; a rank that was not records the other's reason (for its log).
-
-        One decision for all ranks (a collective in a multi-task run): a stop request seen by any rank stops
-        every rank after the same step."""
-        if not self.dist.enabled:
-            return self._stop.requested
-        stop = self._stop
-        # One collective carries who stopped and why: signal number (0: a request without a signal), then rank.
-        mine = ((int(stop.signum or 0) + 1) << 20) + self.dist.rank if stop.requested else 0
-        agreed = self.dist.max(mine)
-        if agreed and not stop.requested:
-            signum, rank = (agreed >> 20) - 1, agreed & ((1 << 20) - 1)
-            why = signal.Signals(signum).name if signum > 0 else "a stop request"
-            stop.request(f"{why} on rank {rank}")
-        return bool(agreed)

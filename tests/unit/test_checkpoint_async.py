@@ -13,7 +13,7 @@ from safetensors.torch import save as st_save
 
 from gwenlake_hpc import CheckpointError, load_state, save_state
 from gwenlake_hpc.stores.checkpoints import MANIFEST, CheckpointFormatError, CheckpointStore, DamagedFileError
-from gwenlake_hpc.stores.checkpoints import store as store_mod
+from gwenlake_hpc.stores.checkpoints import partial as partial_mod
 from gwenlake_hpc.stores.checkpoints.tensorfile import read_tensors, write_tensors
 from gwenlake_hpc.runtime.run import Run
 from gwenlake_hpc.runtime.signals import StopRequest
@@ -106,14 +106,14 @@ def test_snapshot_holds_the_values_of_the_block_not_later_ones(tmp_path):
 def test_one_in_flight_and_buffers_reused(tmp_path, monkeypatch):
     gate = threading.Event()
     sealing = threading.Event()
-    original = store_mod.PendingCheckpoint.seal
+    original = partial_mod.PendingCheckpoint.seal
 
     def slow_seal(self):
         sealing.set()
         assert gate.wait(60)
         return original(self)
 
-    monkeypatch.setattr(store_mod.PendingCheckpoint, "seal", slow_seal)
+    monkeypatch.setattr(partial_mod.PendingCheckpoint, "seal", slow_seal)
     run = make_run(tmp_path, steps=40)
     model, opt = model_and_opt()
     pointers = []
@@ -146,14 +146,14 @@ def test_one_in_flight_and_buffers_reused(tmp_path, monkeypatch):
 def test_failed_background_write_fails_the_loop_and_keeps_the_previous(tmp_path, monkeypatch):
     run = make_run(tmp_path, steps=40)
     model, opt = model_and_opt()
-    original = store_mod.PendingCheckpoint._seal
+    original = partial_mod.PendingCheckpoint._seal
 
     def failing(self):
         if self.step == 20:
             raise OSError(28, "No space left on device", str(self.dir / "state.safetensors"))
         return original(self)
 
-    monkeypatch.setattr(store_mod.PendingCheckpoint, "_seal", failing)
+    monkeypatch.setattr(partial_mod.PendingCheckpoint, "_seal", failing)
     with pytest.raises(CheckpointError) as err:
         for step, _ in run.steps():
             if run.at_eval:
@@ -252,14 +252,14 @@ def test_format_1_manifest_with_sha256_still_loads(tmp_path):
 def test_a_swallowed_write_error_still_fails_the_loop(tmp_path, monkeypatch):
     run = make_run(tmp_path, steps=60)
     model, opt = model_and_opt()
-    original = store_mod.PendingCheckpoint._seal
+    original = partial_mod.PendingCheckpoint._seal
 
     def failing(self):
         if self.step == 20:
             raise OSError(27, "File too large", str(self.dir / "state.safetensors"))
         return original(self)
 
-    monkeypatch.setattr(store_mod.PendingCheckpoint, "_seal", failing)
+    monkeypatch.setattr(partial_mod.PendingCheckpoint, "_seal", failing)
     swallowed = []
     with pytest.raises(CheckpointError, match="step 20 could not be written"):
         for step, _ in run.steps():

@@ -199,7 +199,7 @@ def test_a_run_directory_a_stale_cache_still_shows_is_made_once_the_cache_expire
     """A folder deleted from another node stays in this node's cache for a while: mkdir(exist_ok=True) believes
     it, and opening the lock file in it fails (seen on sshfs, cache_timeout=30). The start retries; past the
     bound it is exit 2's error with what to do, not a traceback."""
-    from gwenlake_hpc.job import execute
+    from gwenlake_hpc.job import run_lock
 
     run_dir = tmp_path / "runs" / "m" / "run"
     real_mkdir, stale = Path.mkdir, {"left": 2}
@@ -211,15 +211,15 @@ def test_a_run_directory_a_stale_cache_still_shows_is_made_once_the_cache_expire
         return real_mkdir(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "mkdir", cached_mkdir)
-    monkeypatch.setattr(execute.time, "sleep", lambda s: None)
-    fh = execute._open_lock(run_dir)
+    monkeypatch.setattr(run_lock.time, "sleep", lambda s: None)
+    fh = run_lock._open_lock(run_dir)
     fh.close()
     assert (run_dir / ".lock").exists() and stale["left"] == 0
     run_dir = run_dir.parent / "other"  # a cache that does not expire within the bound
     stale["left"] = 10**9
-    monkeypatch.setattr(execute, "STALE_DIR_WAIT_S", 0.0)
+    monkeypatch.setattr(run_lock, "STALE_DIR_WAIT_S", 0.0)
     with pytest.raises(ConfigError, match="still shows a folder deleted elsewhere; run the job again in a minute"):
-        execute._open_lock(run_dir)
+        run_lock._open_lock(run_dir)
 
 
 def _level(base: Path, run_dir: Path, key: str, uid: str, local_steps=(), shared_steps=()) -> Path:
@@ -240,7 +240,7 @@ def test_a_start_sweeps_what_other_runs_left_on_the_node_and_nothing_in_use(tmp_
     import subprocess
     import sys
 
-    from gwenlake_hpc.job.execute import _sweep_local_levels
+    from gwenlake_hpc.job.node_local import sweep_local_levels
 
     base, runs = tmp_path / "node", tmp_path / "runs"
     for name, uid in (("remade", "new"), ("done", "u3"), ("ahead", "u4"), ("held", "u5"), ("mine", "u6")):
@@ -258,7 +258,7 @@ def test_a_start_sweeps_what_other_runs_left_on_the_node_and_nothing_in_use(tmp_
         "time.sleep(120)")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        _sweep_local_levels(mine)
+        sweep_local_levels(mine)
     finally:
         holder.kill()
         holder.wait()

@@ -14,7 +14,8 @@ import torch
 from gwenlake_hpc import Output, load_state, save_state, train
 from gwenlake_hpc.data import Catalog
 from gwenlake_hpc.base.errors import ConfigError, GwenlakeError
-from gwenlake_hpc.runtime.run import Run, seed_everything
+from gwenlake_hpc.runtime.rng import seed_everything
+from gwenlake_hpc.runtime.run import Run
 from gwenlake_hpc.runtime.signals import StopRequest
 
 

@@ -82,7 +82,7 @@ def test_a_file_a_start_appends_to_is_never_written_through_a_link(tmp_path):
 
 
 def test_a_link_planted_after_the_plan_is_refused_as_the_lock_is_taken(run_dir):
-    from gwenlake_hpc.job.execute import RunLock
+    from gwenlake_hpc.job.run_lock import RunLock
 
     run, outside = run_dir
     (run / ".lock").unlink()

@@ -1,7 +1,9 @@
 """Checkpoints: atomic, streamed, asynchronous, verified while loading. One concern a module:
 
-- :mod:`.store`: the checkpoints of a run on disk: write into a partial directory, seal with a manifest,
-  rename; find the newest intact one; retention; format versions.
+- :mod:`.manifest`: a sealed checkpoint on disk: its names, its manifest's format versions, ``Checkpoint``.
+- :mod:`.partial`: a checkpoint being written: into a partial directory, sealed with a manifest, renamed.
+- :mod:`.store`: the checkpoints of a run on disk: publish a seal; find the newest intact one; set damaged ones
+  aside; retention.
 - :mod:`.state`: ``save_state``/``load_state``, a training state (model, optimizer, scheduler, extras) in one
   safetensors file.
 - :mod:`.statedoc`: the metadata document of a ``save_state`` file (its key, format, dropped names).
@@ -19,9 +21,10 @@
 """
 
 from .buffers import BufferPool
-from .store import (MANIFEST, RANKS_DIR, RUN_STATE, Checkpoint, CheckpointFormatError, CheckpointStore,
-                    PendingCheckpoint, rank_state_name)
-from ...base.errors import DamagedFileError
+from .manifest import MANIFEST, RANKS_DIR, RUN_STATE, Checkpoint, rank_state_name
+from .partial import PendingCheckpoint
+from .store import CheckpointStore
+from ...base.errors import CheckpointFormatError, DamagedFileError
 from .writer import BackgroundWriter
 
 __all__ = ["MANIFEST", "RANKS_DIR", "RUN_STATE", "BufferPool", "Checkpoint", "CheckpointFormatError",

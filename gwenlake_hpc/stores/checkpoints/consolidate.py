@@ -31,7 +31,7 @@ import torch
 from ...base.errors import CheckpointError
 from .digest import DEFAULT_ALGORITHM
 from .statedoc import META_KEY, state_metadata
-from .store import writer_version
+from .manifest import writer_version
 from .tensorfile import Layout, layout, write_layout
 
 #: The metadata key of save_state's document (see :mod:`.statedoc`).

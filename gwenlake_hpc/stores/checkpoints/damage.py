@@ -1,7 +1,7 @@
 """What makes a sealed checkpoint's manifest damaged, decided before any file it names is opened.
 
 A checkpoint folder is only ever made by renaming a partial folder whose ``MANIFEST.json`` was written by an
-atomic replace (:mod:`.store`), so a reader never sees a manifest half written: one that is not valid JSON, not
+atomic replace (:mod:`.partial`), so a reader never sees a manifest half written: one that is not valid JSON, not
 a JSON object, or lacks its fields (``step``, ``files``, each file's ``size`` and digest) is damaged, at once,
 whatever a node's cache of the shared filesystem shows. The store sets such a checkpoint aside
 (``.damaged-step-<n>-<id>``) as it does one whose files do not match their digests.

@@ -42,7 +42,8 @@ from ...base.errors import CheckpointError, CheckpointExistsError, ConfigError
 from ...base.fsutil import atomic_file, fsync_dir, read_json
 from ...base.waits import waiting_for
 from .digest import entry_digest, file_digest, new_hasher
-from .store import MANIFEST, PARTIAL_MARK, Checkpoint, CheckpointStore
+from .manifest import MANIFEST, PARTIAL_MARK, Checkpoint
+from .store import CheckpointStore
 
 log = logging.getLogger("gwenlake_hpc.checkpoints")
 

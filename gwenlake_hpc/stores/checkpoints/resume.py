@@ -13,7 +13,8 @@ The job's own rules (a finished run, ``job.steps`` below the newest step) are in
 from __future__ import annotations
 
 from ...base.errors import ConfigError
-from .store import Checkpoint, CheckpointStore
+from .manifest import Checkpoint
+from .store import CheckpointStore
 
 #: The accepted values of ``job.resume``.
 RESUME_CHOICES = ("auto", "never")

@@ -8,7 +8,7 @@ Responsibilities:
   parallel with DCP's planners and ``FileSystemWriter`` (``sync_files=True``: each file fsynced), into one DCP folder
   (``.metadata`` + ``__<rank>_<n>.distcp``) at the same path of the one partial checkpoint; replicated tensors
   are written once (DCP's de-duplication of save plans). Each rank then hashes the files it wrote (XXH3-128)
-  and records them in its :class:`~.store.PendingCheckpoint`; the Run gathers the records to rank 0, which
+  and records them in its :class:`~.partial.PendingCheckpoint`; the Run gathers the records to rank 0, which
   puts them in the manifest (``verify: on_load``) and seals only when every rank reported success;
 - read one back on any number of ranks, a single process without a process group included, into a sharded
   or a plain model (:func:`load_sharded`): ``get_state_dict`` -> ``dcp.load`` (DCP reshards) ->
@@ -45,7 +45,8 @@ import torch
 from ...base.errors import CheckpointError, DamagedFileError, StateMismatchError
 from .buffers import wait_for_staging
 from .digest import file_digest
-from .store import PendingCheckpoint, manifest_entry
+from .manifest import manifest_entry
+from .partial import PendingCheckpoint
 
 #: DCP's metadata file in a DCP folder.
 METADATA = ".metadata"

@@ -32,7 +32,8 @@ import torch
 from ...base.errors import CheckpointError, StateMismatchError
 from .sharded import holds_dtensors, is_dcp_folder, load_sharded, save_sharded, sharded_state
 from .statedoc import FORMAT, META_KEY, state_metadata
-from .store import check_format, manifest_entry, open_checkpoint_of, writer_version
+from .manifest import check_format, manifest_entry, writer_version
+from .partial import open_checkpoint_of
 from .tensorfile import read_tensors, write_tensors
 
 
