@@ -193,7 +193,7 @@ def _bars(ax: Any, starts: Sequence[Mapping[str, Any]]) -> None:
     from ..runtime import ledger as ledgers
 
     colours = {"startup_s": "tab:gray", "kept_s": "tab:green", "lost_s": "tab:red", "checkpoint_s": "tab:blue",
-               "after_loop_s": "tab:purple", "other_s": "tab:olive"}
+               "after_loop_s": "tab:purple", "suspended_s": "tab:cyan", "other_s": "tab:olive"}
     parts = [ledgers.parts(r) for r in starts]
     left = [0.0] * len(starts)
     ys = list(range(len(starts)))
@@ -207,7 +207,7 @@ def _bars(ax: Any, starts: Sequence[Mapping[str, Any]]) -> None:
     total = ledgers.summarize(list(starts))
     ax.set_title(ledgers.describe(total) or "goodput", loc="left", fontsize="small")
     ax.set_xlabel("seconds of each start")
-    ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=6, fontsize="x-small", frameon=False)
+    ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=7, fontsize="x-small", frameon=False)
 
 
 def report(run_dir: str | Path, out: str | Path | None = None, uri: str | None = None,
