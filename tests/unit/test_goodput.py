@@ -241,7 +241,7 @@ def test_a_million_step_start_keeps_its_ledger_small(tmp_path):
     the file stays under a bound that does not depend on the step count (it held 1 record a second, up to 1 MiB,
     before); the last record still has the whole state."""
     path = ledgers.start_path(tmp_path, 0)
-    led = ledgers.StartLedger(path, 0, {"host": "n1", "job_id": "77"}, every_s=1.0, suspended_of=lambda: 0.0)
+    led = ledgers.StartLedger(path, 0, {"host": "n1", "job_id": "77"}, every_s=1.0)
     t = led._origin + 5.0  # perf_counter seconds: start-up took 5 s
     led.first_step(1, t)
     step_s, sizes = 0.009, []
