@@ -39,7 +39,7 @@ def _training_pid(run_dir: Path) -> int | None:
             args = cmdline.read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"gwenlake_hpc.launch.boot" in args and str(run_dir).encode() in args:
+        if b"gwenlake_hpc.launch.boot" in args and any(a.startswith(str(run_dir).encode()) for a in args):
             return int(cmdline.parent.name)
     return None
 
@@ -61,8 +61,8 @@ def _delivery_pids(parent: int) -> list[int]:
 def test_a_suspended_job_records_its_suspension_and_stops_its_delivery(project):
     from gwenlake_hpc.runtime.ledger import parts, read_ledger, summarize
 
-    # 1,000 steps of >= 20 ms: ~20 s of training on node n1, with MLflow tracking (the delivery process)
-    job = submit(project, "job.steps=1000", "launcher=slurm", "launcher.timeout_min=10", "launcher.cpus_per_task=2",
+    # 2,000 steps of >= 20 ms: ~50 s of training on node n1, with MLflow tracking (the delivery process)
+    job = submit(project, "job.steps=2000", "launcher=slurm", "launcher.timeout_min=10", "launcher.cpus_per_task=2",
                  "+launcher.additional_parameters.nodelist=n1", "launcher.progress_every_s=2",
                  env_vars={"GWL_TEST_SLEEP": "0.02"})
     run_dirs = lambda: list((project.root / "runs" / "t.model").glob("*/ledger"))  # noqa: E731
@@ -95,7 +95,7 @@ def test_a_suspended_job_records_its_suspension_and_stops_its_delivery(project):
     assert finish(job) == "COMPLETED"
 
     (rec,) = read_ledger(run_dir)
-    assert rec["end"] == "finished" and rec["last_step"] == 1000
+    assert rec["end"] == "finished" and rec["last_step"] == 2000
     assert rec["suspended_s"] >= SUSPEND_S - 5.0, rec
     # the steps' time is what they ran: never the suspension (before, step_s held it: 131.7 s for 72 s of steps)
     assert rec["step_s"] <= rec["elapsed_s"] - rec["suspended_s"], rec
