@@ -123,6 +123,7 @@ class StartLedger:
         self._suspended_of = suspended_of or suspend.watch().suspended_s
         self._susp0 = self._suspended_of()  # a stop before the ledger began is start-up's (not seen)
         self._susp = 0.0  # seconds this start was stopped, as of the newest step or record
+        self._susp_stepped = 0.0  # of them, those already left out of step_s (or before the first step)
         self.step_s = 0.0  # whole steps, from the batch's request to the loop's next turn, checkpoint blocks in
         self.checkpoint_s = 0.0  # blocked in run.checkpoint() blocks (added by the loop at each step)
         self._pending: dict[int, float] = {}  # step of a checkpoint block -> step time up to it (not sealed yet)
@@ -174,6 +175,7 @@ class StartLedger:
         with self._lock:
             self.rec["first_step"] = int(step)
             self.rec["startup_s"] = round(batch_arrived - self._origin - self._suspended(), 6)
+            self._susp_stepped = self._susp  # start-up's: not in a step
         self.flush(event=True)
 
     def step_done(self, step: int, whole_s: float, checkpoint_total_s: float, checkpointed: bool,
@@ -184,8 +186,9 @@ class StartLedger:
         checkpoint's step as :attr:`sealed_of` tells it. A suspension since the previous step is left out of
         ``whole_s`` (a stopped process did not train)."""
         with self._lock:
-            was = self._susp
-            stopped = self._suspended() - was
+            # the suspension since the previous step (the ticking thread may have counted it already)
+            stopped = self._suspended() - self._susp_stepped
+            self._susp_stepped = self._susp
             self.step_s += whole_s - min(stopped, whole_s)
             self.checkpoint_s = checkpoint_total_s
             self.rec["last_step"] = step

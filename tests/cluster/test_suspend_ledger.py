@@ -39,7 +39,9 @@ def _training_pid(run_dir: Path) -> int | None:
             args = cmdline.read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"gwenlake_hpc.launch.boot" in args and any(a.startswith(str(run_dir).encode()) for a in args):
+        # python -m gwenlake_hpc.launch.boot ... <run dir>/slurm/%j (not srun, whose arguments name it too)
+        if args[1:3] == [b"-m", b"gwenlake_hpc.launch.boot"] and any(a.startswith(str(run_dir).encode())
+                                                                     for a in args):
             return int(cmdline.parent.name)
     return None
 

@@ -408,3 +408,24 @@ def test_a_start_stopped_for_3_s_records_them_as_suspended_not_as_step_time(tmp_
     after = next(line for line in out.splitlines() if line.startswith("101 "))
     rate = float(after.split(" steps/s")[0].split()[-1])
     assert rate > 2 * 101 / (3.0 + 101 * 0.004), (line_100, after)
+
+
+def test_a_suspension_the_ledgers_thread_recorded_first_is_still_left_out_of_the_step(tmp_path):
+    """The cluster run's finding: after the resume, the ledger's thread wrote a record (counting the suspension)
+    before the step that spanned it ended; that step's time then kept the 20 s stopped."""
+    stopped = [0.0]
+    path = ledgers.start_path(tmp_path, 0)
+    led = ledgers.StartLedger(path, 0, every_s=60.0, suspended_of=lambda: stopped[0])
+    try:
+        t = led._origin + 2.0
+        led.first_step(1, t)
+        led.step_done(1, 0.5, 0.0, False, t + 0.5)
+        stopped[0] = 20.0  # step 2 stopped for 20 s; the thread's record comes first
+        led.flush(t + 21.0)
+        led.step_done(2, 20.5, 0.0, False, t + 21.0)
+        led.flush(t + 21.0)
+        rec = ledgers.last_record(path)
+    finally:
+        led.close()
+    assert rec["suspended_s"] == 20.0 and rec["step_s"] == pytest.approx(1.0)
+    assert rec["step_end_s"] == pytest.approx(3.0)  # active: 2 s of start-up and 1 s of steps
