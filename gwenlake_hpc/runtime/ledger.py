@@ -481,8 +481,9 @@ def summarize(recs: list[Mapping[str, Any]]) -> dict[str, Any]:
         :data:`PARTS` added (seconds), ``lost_steps``, ``goodput`` (``kept_s / allocated_s``, 0..1; None with
         nothing allocated), ``largest_loss`` (the part other than ``kept_s`` and ``suspended_s`` with the most
         seconds, None when none), ``ends`` (reason -> count), ``unannounced`` (starts ended by a kill, a lost node
-        or a hang) and ``drain_s`` (stop signal to exit, added over the starts that had one), ``queue_s`` (the starts' waits in SLURM's
-        queue from eligible to started, as the controller timed them; not allocated time).
+        or a hang) and ``drain_s`` (stop signal to exit, added over the starts that had one), ``queue_s`` (the
+        starts' waits in SLURM's queue from eligible to started, as the controller timed them; not allocated
+        time).
     """
     total = {k: 0.0 for k in PARTS}
     ends: dict[str, int] = {}
