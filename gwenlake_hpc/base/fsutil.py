@@ -196,12 +196,21 @@ def open_append(path: str | os.PathLike, read: bool = False) -> IO[str]:
         ConfigError: ``path`` is a symbolic link (naming it and the fix).
         OSError: it cannot be opened otherwise.
     """
-    flags = (os.O_RDWR if read else os.O_WRONLY) | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
+    fd = open_nofollow(path, (os.O_RDWR if read else os.O_WRONLY) | os.O_CREAT | os.O_APPEND, 0o666)
+    return os.fdopen(fd, "a+" if read else "a", encoding="utf-8")
+
+
+def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o666) -> int:
+    """``os.open(path, flags | O_NOFOLLOW, mode)``: a file descriptor, never through a symbolic link at ``path``.
+
+    Raises:
+        ConfigError: ``path`` is a symbolic link (naming it and the fix).
+        OSError: it cannot be opened otherwise.
+    """
     try:
-        fd = os.open(path, flags, 0o666)
+        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise ConfigError(f"{path} is a symbolic link: it is not written through; remove it (rm {path})") \
                 from None
         raise
-    return os.fdopen(fd, "a+" if read else "a", encoding="utf-8")

@@ -199,7 +199,7 @@ def _bars(ax: Any, starts: Sequence[Mapping[str, Any]]) -> None:
     from ..runtime import ledger as ledgers
 
     colours = {"startup_s": "tab:gray", "kept_s": "tab:green", "lost_s": "tab:red", "checkpoint_s": "tab:blue",
-               "after_loop_s": "tab:purple", "other_s": "tab:olive"}
+               "after_loop_s": "tab:purple", "suspended_s": "tab:cyan", "other_s": "tab:olive"}
     parts = [ledgers.parts(r) for r in starts]
     left = [0.0] * len(starts)
     ys = list(range(len(starts)))

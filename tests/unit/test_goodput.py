@@ -82,7 +82,7 @@ def test_ledger_kept_and_lost_from_the_next_starts_resume_point(tmp_path):
     # lost: the 16 s of steps 41..50 and the 3 s of step 51, in progress at the kill (its last whole step ended
     # at 97 s, its last record at 100 s)
     assert p0 == {"startup_s": 10.0, "kept_s": 64.0, "lost_s": 19.0, "checkpoint_s": 5.0, "after_loop_s": 0.0,
-                  "other_s": 2.0}
+                  "suspended_s": 0.0, "other_s": 2.0}
     old = {k: v for k, v in recs[0].items() if k != "step_end_s"}  # a record from before step_end_s existed
     assert ledgers.parts(old)["lost_s"] == 16.0 and ledgers.parts(old)["other_s"] == 5.0
     assert ledgers.lost_steps(recs[0]) == 10
@@ -116,7 +116,7 @@ def test_start_ledger_records_as_it_goes_and_a_hang_is_appended(tmp_path):
     led.step_done(12, 0.7, 0.2, True, t + 1.2)  # a checkpoint block of 0.2 s in it
     led.sealed_of = lambda: 12
     led.step_done(13, 0.5, 0.2, False, t + 1.7)
-    last = json.loads(path.read_text().splitlines()[-1])
+    last = ledgers.last_record(path)
     assert (last["start"], last["host"], last["first_step"], last["last_step"]) == (3, "n1", 11, 13)
     assert last["sealed_step"] == 12 and last["kept_step_s"] == pytest.approx(1.0)  # 0.5 + 0.7 - 0.2
     assert last["step_s"] == pytest.approx(1.5) and last["checkpoint_s"] == pytest.approx(0.2)
@@ -137,15 +137,15 @@ def test_start_ledger_records_the_time_while_no_step_ends(tmp_path):
     path = ledgers.start_path(tmp_path, 0)
     led = ledgers.StartLedger(path, 0, every_s=0.2)
     try:
-        first = json.loads(path.read_text().splitlines()[-1])["elapsed_s"]
+        first = ledgers.last_record(path)["elapsed_s"]
         time.sleep(1.5)
-        last = json.loads(path.read_text().splitlines()[-1])
+        last = ledgers.last_record(path)
         assert last["elapsed_s"] - first >= 1.0 and last["first_step"] is None and last["end"] is None
     finally:
         led.close()
-    lines = len(path.read_text().splitlines())
+    written = path.read_bytes()
     time.sleep(0.5)
-    assert len(path.read_text().splitlines()) == lines  # closed: the thread writes no more
+    assert path.read_bytes() == written  # closed: the thread writes no more
 
 
 def test_a_checkpoint_sealed_during_a_long_step_is_in_the_threads_records(tmp_path):
@@ -164,7 +164,7 @@ def test_a_checkpoint_sealed_during_a_long_step_is_in_the_threads_records(tmp_pa
         led.step_done(20, 0.1, 0.0, True, t + 0.2)  # its checkpoint is written in the background
         led.sealed_of = lambda: 20  # sealed while step 21 runs: no step ends to record it
         time.sleep(1.0)
-        last = json.loads(path.read_text().splitlines()[-1])
+        last = ledgers.last_record(path)
     finally:
         led.close()
     assert last["sealed_step"] == 20 and last["last_step"] == 20
@@ -232,3 +232,200 @@ def test_a_run_of_the_job_that_sacct_says_ended_node_fail_is_a_lost_node(tmp_pat
     assert asked == [["sacct", "-n", "-P", "-X", "-D", "-j", "41", "-o", "State"]] and lost == {1}
     assert [r["end"] for r in ledgers.read_ledger(tmp_path, lost_nodes=lost)] == ["killed", "lost node", "finished"]
     assert lost_node_starts("41", tmp_path, run=lambda cmd: "") == set()
+
+
+# -- issue 40, item 12: the ledger's size is bounded by its events, not by the run's length ----------------------
+
+def test_a_million_step_start_keeps_its_ledger_small(tmp_path):
+    """The churn job's input (9 ms steps, a record a second) driven for a million steps on a fake clock (2.5 h):
+    the file stays under a bound that does not depend on the step count (it held 1 record a second, up to 1 MiB,
+    before); the last record still has the whole state."""
+    path = ledgers.start_path(tmp_path, 0)
+    led = ledgers.StartLedger(path, 0, {"host": "n1", "job_id": "77"}, every_s=1.0)
+    t = led._origin + 5.0  # perf_counter seconds: start-up took 5 s
+    led.first_step(1, t)
+    step_s, sizes = 0.009, []
+    for step in range(1, 1_000_001):
+        checkpointed = step % 10_000 == 0
+        led.step_done(step, step_s, 0.0, checkpointed, t + step * step_s)
+        if checkpointed:
+            led.sealed_of = lambda s=step: s  # sealed before the next step
+        if step % 100_000 == 0:
+            sizes.append(path.stat().st_size)
+    live = ledgers.last_record(path)  # the slot's totals: within a second of the fake clock's now
+    assert live["last_step"] >= 1_000_000 - 112 and live["elapsed_s"] == pytest.approx(9005.0, abs=1.0)
+    led.loop_ended()
+    led.end(ledgers.FINISHED)
+    assert max(sizes) < 4096, sizes  # a few records' bytes, whatever the step count
+    assert path.stat().st_size < 4096
+    (rec,) = ledgers.read_ledger(tmp_path)
+    assert (rec["last_step"], rec["end"], rec["sealed_step"], rec["host"]) == (1_000_000, "finished", 1_000_000, "n1")
+    assert rec["step_s"] == pytest.approx(9000.0, rel=1e-6) and rec["startup_s"] == pytest.approx(5.0, abs=1e-3)
+
+
+def test_status_reads_a_ledger_from_its_tail_and_old_ledgers_still_read(tmp_path, monkeypatch):
+    """A start's file written before the slots (one cumulative record appended a second, 1 MiB of them, a torn
+    last line from a kill): its last whole record is read, and only the file's tail is read for it."""
+    path = ledgers.start_path(tmp_path, 0)
+    path.parent.mkdir(parents=True)
+    rec = {"v": 1, "start": 0, "elapsed_s": 0.0, "startup_s": 4.0, "first_step": 1, "last_step": 0, "step_s": 0.0,
+           "checkpoint_s": 0.0, "sealed_step": None, "kept_step_s": 0.0, "step_end_s": None, "loop_end_s": None,
+           "stop_s": None, "stop_signal": None, "drain_s": None, "end": None, "marks": {}}
+    with open(path, "w") as fh:
+        while fh.tell() < (1 << 20):
+            rec["elapsed_s"] += 1.0
+            rec["last_step"] += 100
+            rec["step_s"] = rec["elapsed_s"] - 4.0
+            fh.write(json.dumps(rec) + "\n")
+        fh.write('{"v": 1, "start": 0, "elapsed_s": 99999')  # torn by the kill
+    read = []
+
+    def spy_open(*args, **kwargs):
+        fh = open(*args, **kwargs)
+        real = fh.read
+        fh.read = lambda *a: read.append(len(data := real(*a))) or data
+        return fh
+
+    monkeypatch.setattr(ledgers, "open", spy_open, raising=False)
+    (last,) = ledgers.read_ledger(tmp_path)
+    assert (last["elapsed_s"], last["last_step"], last["end"]) == (rec["elapsed_s"], rec["last_step"], "killed")
+    assert 0 < sum(read) <= 64 * 1024  # the tail, not the 1 MiB
+
+
+_KILLED_CHILD = r"""
+import sys, time
+from gwenlake_hpc.runtime import ledger as ledgers
+led = ledgers.StartLedger(ledgers.start_path(sys.argv[1], 0), 0)
+led.first_step(1, time.perf_counter())
+step = 0
+while True:
+    step += 1
+    t = time.perf_counter()
+    time.sleep(0.005)
+    led.step_done(step, time.perf_counter() - t, 0.0, False, time.perf_counter())
+    print(step, led.now(), flush=True)
+"""
+
+
+def test_a_sigkilled_start_loses_at_most_about_a_second_of_its_totals(tmp_path):
+    """A real process writing its ledger (5 ms steps) SIGKILLed: its last record has its steps and its time up
+    to about FLUSH_EVERY_S before the kill (what it lost before the slots too), and reads as killed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    seen = []  # (step, its age) as the child printed them
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            step, age = proc.stdout.readline().split()
+            seen.append((int(step), float(age)))
+            if float(age) - seen[0][1] >= 4.0:
+                break
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    killed_step, killed_age = seen[-1]
+    (rec,) = ledgers.read_ledger(tmp_path)
+    assert rec["end"] == "killed" and rec["first_step"] == 1
+    # a record at least every FLUSH_EVERY_S: generous bounds (2 s of the child's own clock)
+    assert rec["elapsed_s"] >= killed_age - 2.0 * ledgers.FLUSH_EVERY_S
+    assert rec["last_step"] >= max(s for s, a in seen if a <= killed_age - 2.0 * ledgers.FLUSH_EVERY_S)
+    assert rec["last_step"] <= killed_step + 1
+    assert rec["step_s"] <= rec["elapsed_s"] and ledgers.lost_steps(rec) == rec["last_step"]
+    assert (tmp_path / "ledger" / "start-0000.jsonl").stat().st_size < 4096
+
+
+# -- issue 40, item 11: a suspended start is not training ------------------------------------------------------
+
+_SUSPENDED_CHILD = r"""
+import sys, time
+from gwenlake_hpc.runtime import ledger as ledgers
+from gwenlake_hpc.runtime.progress import Progress
+led = ledgers.StartLedger(ledgers.start_path(sys.argv[1], 0), 0)
+progress = Progress(1000, 0, "lines")
+t0 = time.perf_counter()
+led.first_step(1, t0)
+for step in range(1, 1001):
+    t = time.perf_counter()
+    time.sleep(0.004)
+    led.step_done(step, time.perf_counter() - t, 0.0, False, time.perf_counter())
+    if step in (100, 101, 1000):
+        print(step, progress.line(step), flush=True)
+    if step == 100:
+        print("stop me", flush=True)
+        sys.stdin.readline()  # the test stops this process, continues it, then writes a line
+led.loop_ended()
+led.end(ledgers.FINISHED)
+print("done", flush=True)
+"""
+
+
+def test_a_start_stopped_for_3_s_records_them_as_suspended_not_as_step_time(tmp_path):
+    """The issue's input, at unit level: a real process stopped (SIGSTOP, what scontrol suspend sends) and
+    continued (SIGCONT) in the middle of its loop. Before, the stopped seconds were step time (``step_s`` 131.7 s
+    for 72 s of steps) and the ETA after the resume was computed from them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", _SUSPENDED_CHILD, str(tmp_path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line_100 = proc.stdout.readline()
+        assert proc.stdout.readline().strip() == "stop me"
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(3.0)
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        out = proc.stdout.read()
+        assert proc.wait(timeout=120) == 0, out
+    finally:
+        proc.kill()
+    (rec,) = ledgers.read_ledger(tmp_path)
+    assert rec["end"] == "finished" and rec["last_step"] == 1000
+    assert rec["suspended_s"] >= 2.5  # 3 s stopped, less the watch's sampling period and a margin
+    assert rec["suspended_s"] <= rec["elapsed_s"]
+    # the steps' time is the time they ran: the elapsed time less the stop, at most
+    assert rec["step_s"] <= rec["elapsed_s"] - rec["suspended_s"]
+    p = ledgers.parts(rec)
+    assert p["suspended_s"] == rec["suspended_s"] and sum(p.values()) == pytest.approx(rec["elapsed_s"])
+    total = ledgers.summarize([rec])
+    assert total["allocated_s"] == pytest.approx(rec["elapsed_s"] - rec["suspended_s"])
+    assert total["largest_loss"] != "suspended_s" and "suspended" in ledgers.describe(total)
+    # the progress line after the resume: its speed leaves the stop out (1000 steps of >= 4 ms: ETA under 10 s;
+    # with the stop counted, 101 steps in > 3.4 s gave ~30 steps/s)
+    after = next(line for line in out.splitlines() if line.startswith("101 "))
+    rate = float(after.split(" steps/s")[0].split()[-1])
+    assert rate > 2 * 101 / (3.0 + 101 * 0.004), (line_100, after)
+
+
+def test_a_suspension_the_ledgers_thread_recorded_first_is_still_left_out_of_the_step(tmp_path):
+    """The cluster run's finding: after the resume, the ledger's thread wrote a record (counting the suspension)
+    before the step that spanned it ended; that step's time then kept the 20 s stopped."""
+    stopped = [0.0]
+    path = ledgers.start_path(tmp_path, 0)
+    led = ledgers.StartLedger(path, 0, every_s=60.0, suspended_of=lambda: stopped[0])
+    try:
+        t = led._origin + 2.0
+        led.first_step(1, t)
+        led.step_done(1, 0.5, 0.0, False, t + 0.5)
+        stopped[0] = 20.0  # step 2 stopped for 20 s; the thread's record comes first
+        led.flush(t + 21.0)
+        led.step_done(2, 20.5, 0.0, False, t + 21.0)
+        led.flush(t + 21.0)
+        rec = ledgers.last_record(path)
+    finally:
+        led.close()
+    assert rec["suspended_s"] == 20.0 and rec["step_s"] == pytest.approx(1.0)
+    assert rec["step_end_s"] == pytest.approx(3.0)  # active: 2 s of start-up and 1 s of steps

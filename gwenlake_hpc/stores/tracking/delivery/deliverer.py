@@ -16,7 +16,8 @@ The delivery process talks to the training over its standard input and output, o
 It ignores SIGTERM, SIGINT and SIGUSR2 (the time-limit warning): SLURM signals every process of a job step at eviction, and the delivery must go
 on until the training has written its last points and says so. When the training dies without a word (end of
 its standard input, or a new parent process), the delivery process delivers what is there for up to 30 s and
-exits. One process at a time delivers a state folder: it holds ``deliver.lock`` (``flock``).
+exits. One process at a time delivers a state folder: it holds ``deliver.lock`` (``flock``). While the training is
+stopped (``scontrol suspend``) it stops itself too, and the training continues it (:mod:`gwenlake_hpc.base.suspend`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any, Callable
 
 from ....base.errors import ConfigError
 from ....base.lease import read_holder
+from ....base.suspend import follow_parent_stops
 from .session import MAX_METRICS_PER_BATCH, RunSession, http_settings
 from .spool import Entry, Point, SpoolReader, segment_paths, try_lock
 from ..sqlite import BrokenStoreError
@@ -463,6 +465,8 @@ def main() -> int:
     if not line:
         return 0
     setup = json.loads(line)
+    if setup.get("ppid"):  # a suspended training (scontrol suspend) stops its delivery too: no CPU, no network
+        follow_parent_stops(int(setup["ppid"]))
     ops: queue.Queue[dict[str, Any] | None] = queue.Queue()
 
     def read_ops() -> None:

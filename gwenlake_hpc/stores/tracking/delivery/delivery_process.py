@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping
 
 from ....base.lease import current as current_lease
 from ....base.processes import shield_children
+from ....base.suspend import watch as suspend_watch
 from .session import http_env
 from .state import sync_hint
 
@@ -107,6 +108,9 @@ class DeliveryProcess:
             return
         with self._proc_lock:
             self._proc = proc
+        # it stops itself while this process is stopped (scontrol suspend; SLURM stops the job step's process
+        # group, not its session): this process's watch continues it once this process runs again
+        suspend_watch().follow(proc.pid)
         threading.Thread(target=self._read_events, args=(proc,), name="gwenlake-delivery-events",
                          daemon=True).start()
 
