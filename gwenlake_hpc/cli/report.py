@@ -155,7 +155,9 @@ def draw(values: Mapping[str, Mapping[int, float]], marks: Sequence[int], title:
 
     # The Run's time/* metrics share one panel: where each step's time went (input, compute, checkpoints,
     # tracking), stacked, so the bottleneck shows at a glance.
-    times = [k for k in values if k.startswith("time/")]
+    # time/*_rank compare the ranks (the slowest rank's seconds, the median, the slowest's index): not parts of a
+    # step's time, so each has a panel of its own
+    times = [k for k in values if k.startswith("time/") and not k.endswith("_rank")]
     # goodput/* are one point per start's end: the bars below show them
     panels: list[list[str]] = ([[k] for k in values if k not in times and not k.startswith("goodput/")]
                                + ([times] if times else []))

@@ -35,6 +35,7 @@ from ..authoring.api import Input, Model
 from ..stores.checkpoints import DamagedFileError
 from ..runtime.distributed import Dist
 from ..runtime.distributed import setup as setup_distributed
+from ..runtime.distributed import MISMATCHED
 from ..runtime.distributed import teardown as teardown_distributed
 from ..base.errors import (EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, NonFiniteError, StartLimitError,
                            as_config_error)
@@ -122,7 +123,10 @@ def _execute(cfg: Any, stop: StopRequest) -> JobResult:
     except BaseException:
         teardown_distributed(d, ok=False)
         raise
-    left = teardown_distributed(d, ok=result.exit_code in (0, EXIT_EVICTED))
+    # A start stopped before its loop leaves at once: the other ranks may be in their loop's collectives.
+    left = teardown_distributed(d, ok=result.exit_code in (0, EXIT_EVICTED) and not stop.interrupted)
+    if left == MISMATCHED:  # gwenlake_hpc.checkpoint on another rank alone: a misuse, named in the log
+        return JobResult(EXIT_USAGE, result.version, result.run_dir, result.final_step)
     if not left and result.exit_code == 0:  # a rank gone at the very end: no rank reports success
         return JobResult(EXIT_FAILED, result.version, result.run_dir, result.final_step)
     return result
@@ -361,6 +365,11 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
                 _end_failed(run, tracker, finish_timeout)
                 raise refusal from None
             lost = d.lost_peer(exc, f"at step {run.step}")  # a rank died: one line naming it, not gloo's chain
+            if lost is not None and stop.requested:  # it left on the same stop as this rank: an eviction
+                log.warning("%s (stop requested here too: %s)", lost, stop.reason)
+                run.wait_for_checkpoint(raise_error=False)
+                tracker.finish("KILLED", timeout_s=min(finish_timeout, 20.0))
+                return JobResult(EXIT_EVICTED, None, p.run_dir, run.step)
             if lost is not None:
                 log.error("%s", lost)
                 log.debug("the collective's error:\n%s", traceback.format_exc())

@@ -87,16 +87,16 @@ def checkpoint(model: Any, path: str | None = None, metadata: Mapping[str, Any] 
 
     run = current_run()
     d = run.dist
-    refusal = None
+    refusal, name = None, str(path or run.run_key)
     try:
-        name, meta, files = check_named(path or run.run_key, metadata, additional_files)
+        name, meta, files = check_named(name, metadata, additional_files)
     except ConfigError as exc:
         refusal = str(exc)
     if refusal is None and _is_fsdp1(model):  # its state_dict() is a collective of its own, in its own order
         refusal = ("gwenlake_hpc.checkpoint(model): an FSDP1 model (FullyShardedDataParallel); pass its full "
                    "state dict, taken on every rank: get_model_state_dict(model, options=StateDictOptions("
                    "full_state_dict=True, cpu_offload=True)) from torch.distributed.checkpoint.state_dict")
-    refusal = _first_on_any_rank(d, refusal)
+    refusal = _agree_to_save(d, name, refusal)
     if refusal is not None:
         raise ConfigError(refusal)
     model_root = run.run_dir.parent
@@ -143,15 +143,32 @@ def _is_fsdp1(model: Any) -> bool:
     return any(isinstance(m, FullyShardedDataParallel) for m in modules())
 
 
-def _first_on_any_rank(d: Any, message: str | None) -> str | None:
-    """The first rank's ``message`` among the ranks that have one (named with its rank), on every rank; None when
-    no rank has one (a collective in a job of several ranks)."""
+#: The name this call gives itself in :meth:`Dist.where_all` (the job's end gives ``"end"``).
+CALL = "gwenlake_hpc.checkpoint"
+
+
+def _agree_to_save(d: Any, name: str, refusal: str | None) -> str | None:
+    """What every rank says before a named checkpoint is written: None to go on, or the one refusal every rank
+    raises (a collective in a job of several ranks).
+
+    Refused: a rank's own refusal of its arguments (the first, naming its rank); another rank that is not in
+    this call (it reached the end of its function, or another call of ours: ``if run.is_main:`` around it);
+    ranks that gave other names."""
     if not d.enabled:
-        return message
-    messages = d.gather(message)
-    first = None if messages is None else next(
-        (f"{m} (refused on rank {r}: every rank stops here)" for r, m in enumerate(messages) if m), None)
-    return d.broadcast(first)
+        return refusal
+    everyone = d.where_all((CALL, name, refusal))
+    absent = [r for r, w in enumerate(everyone) if w[:1] != (CALL,)]
+    if absent:
+        return (f"gwenlake_hpc.checkpoint({name!r}) is a collective: rank(s) {', '.join(map(str, absent))} did not "
+                f"call it ({everyone[absent[0]][0]} instead); call it on every rank, not under `if run.is_main:`")
+    for r, (_call, _name, said) in enumerate(everyone):
+        if said:
+            return f"{said} (refused on rank {r}: every rank stops here)"
+    names = {w[1] for w in everyone}
+    if len(names) > 1:
+        given = ", ".join(f"rank {r}: {w[1]!r}" for r, w in enumerate(everyone))
+        return f"gwenlake_hpc.checkpoint: the ranks gave different names ({given}); give every rank the same path"
+    return None
 
 
 def last_checkpoint_path() -> Path | None:

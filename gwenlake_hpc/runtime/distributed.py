@@ -147,6 +147,21 @@ class Dist:
         dist.gather_object(obj, out, dst=0, group=self._control)
         return out
 
+    def where_all(self, here: tuple) -> list[tuple]:
+        """Every rank's ``here`` (a small picklable tuple whose first item names the call: ``("end",)``,
+        ``("gwenlake_hpc.checkpoint", name, ...)``), by rank, on every rank (a collective of the control group).
+
+        The calls that a user might make on one rank alone meet here: a rank that reads another call's name in
+        the answer knows at once which rank is where, instead of two different collectives waiting for each
+        other until the timeout. A single process: ``[here]``."""
+        if not self.enabled:
+            return [here]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, here, group=self._control)
+        return [tuple(o) if isinstance(o, (list, tuple)) else (str(o),) for o in out]
+
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""
         if self.enabled:
@@ -259,7 +274,11 @@ def exit_process(code: int) -> None:
         os._exit(code)
 
 
-def teardown(d: Dist, ok: bool = True) -> bool:
+#: What :func:`teardown` says when another rank is not at the job's end but in one of our collectives.
+MISMATCHED = "mismatched"
+
+
+def teardown(d: Dist, ok: bool = True) -> bool | str:
     """Leave the process group.
 
     ``ok`` (every rank ended the same way: done or evicted): wait for all ranks first, so no rank tears its
@@ -270,8 +289,10 @@ def teardown(d: Dist, ok: bool = True) -> bool:
     the interpreter's finalisation could abort it.
 
     Returns:
-        False when the final barrier failed (a rank is gone: the one-line verdict naming it is logged, and the
-        job must not end with success on this rank); True otherwise.
+        True, or: False when the final agreement failed (a rank is gone: the one-line verdict naming it is
+        logged, and the job must not end with success on this rank); :data:`MISMATCHED` when another rank is in
+        another call of ours (``gwenlake_hpc.checkpoint`` called on that rank alone: named in the log; a misuse,
+        exit 2).
     """
     if not d.enabled:
         return True
@@ -283,7 +304,14 @@ def teardown(d: Dist, ok: bool = True) -> bool:
         _ABANDONED.append(True)  # the process ends through exit_process (see there)
         return True
     try:
-        d.barrier()
+        elsewhere = [(r, w) for r, w in enumerate(d.where_all(("end",))) if w[:1] != ("end",)]
+        if elsewhere:  # the others meet our end in another call: no barrier, no destroy (they wait no more)
+            _ABANDONED.append(True)
+            log.error("%s", "; ".join(f"rank {r} called {w[0]}{'(' + repr(w[1]) + ')' if len(w) > 1 else ''} "
+                                      f"while rank {d.rank} ended its training function" for r, w in elsewhere)
+                      + ": it is a collective, call it on every rank (not under `if run.is_main:`)")
+            return MISMATCHED
+        d.barrier()  # after the gather, before the destroy: no rank tears down while another still reads
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - a rank gone at the very end: this rank must not report success
         _ABANDONED.append(True)

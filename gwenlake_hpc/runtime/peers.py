@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import re
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..base.processes import pid_gone
+
+#: Seconds a survivor waits for a peer of its host to be seen gone: the kernel closes a killed process's sockets
+#: (the survivor's collective fails) a moment before the process has ended.
+EXIT_WAIT_S = 3.0
 
 #: Words of a collective whose peer went away (gloo's and NCCL's), or that waited past its timeout.
 _LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Socket closed|Read error|Write error|"
@@ -88,7 +93,12 @@ def verdict(peers: Sequence[Peer], my_rank: int, exc: BaseException | None, wher
     if exc is not None and not is_lost_peer(exc):
         return None
     host = socket.gethostname()
-    dead = [p for p in peers if p.rank != my_rank and p.host == host and gone(p.pid)]
+    local = [p for p in peers if p.rank != my_rank and p.host == host]
+    dead = [p for p in local if gone(p.pid)]
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while local and not dead and time.monotonic() < deadline:  # its sockets close before its exit completes
+        time.sleep(0.1)
+        dead = [p for p in local if gone(p.pid)]
     said = _backend_words(exc)
     tail = ((then or "every rank stops; the newest sealed checkpoint is kept: run the same job again to resume")
             + (f" (the backend said: {said})" if said else ""))

@@ -404,9 +404,10 @@ class Run:
         """The latest value of every metric logged in this run, plus ``step`` (the last step done): dict of
         float, by metric name.
 
-        Values logged by earlier starts come from the checkpoint resumed from (its Run state and ``ck.metrics``),
-        so a rerun that has no step left to train (killed after its last checkpoint, before the commit) returns
-        the same values as the start that trained them, whether tracking is on or off. Read the final values
+        Values logged by earlier starts come from the checkpoint resumed from (its Run state, taken at the end of
+        its ``with run.checkpoint()`` block, and its ``ck.metrics``), so a rerun that has no step left to train
+        (killed after its last checkpoint, before the commit) returns what was logged up to that block, whether
+        tracking is on or off; a value logged after the block of that step is not among them. This rank's values. Read the final values
         from here after the loop, never from a loop variable (unbound when the loop had nothing to do).
         Waits for a checkpoint still being written (its metrics are part of the summary).
         """

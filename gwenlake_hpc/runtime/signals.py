@@ -79,6 +79,7 @@ class StopRequest:
             self.reason = self.signum.name
         if getattr(self, "_interrupting", False):
             self._interrupting = False  # once: the code that catches it may clean up undisturbed
+            self.interrupted = True
             raise StopInterrupt(self.reason)
 
     @contextlib.contextmanager
@@ -94,6 +95,9 @@ class StopRequest:
         finally:
             self._interrupting = False
 
+    #: True once a stop signal raised :class:`StopInterrupt` (the start ended outside its loop, at once).
+    interrupted = False
+
     def arm(self) -> None:
         """Until :meth:`disarm`, a stop signal also raises :class:`StopInterrupt` where the main thread is (once).
 
@@ -106,6 +110,7 @@ class StopRequest:
             StopInterrupt: a stop was already requested (recorded while disarmed).
         """
         if self.requested:
+            self.interrupted = True
             raise StopInterrupt(self.reason or "stop")
         self._interrupting = True
 

@@ -460,7 +460,9 @@ def fit_fsdp(data, output, run, config: Params):
     step k (see :class:`_SigkillPlan`); GWL_TEST_SAVE_RANK=r: only rank r calls save_state, GWL_TEST_PATH_RANK1=name: rank 1 saves
     under another name (users' mistakes); GWL_TEST_NAMED=name: at the end every rank saves a named checkpoint of the
     sharded model (``gwenlake_hpc.checkpoint``), GWL_TEST_NAMED_BAD_RANK=r: rank r gives it metadata that is not
-    JSON (NaN), the others good metadata.
+    JSON (NaN), the others good metadata; GWL_TEST_NAMED_RANK=r: only rank r calls it; GWL_TEST_NAMED_PER_RANK=1:
+    each rank names it ``<name>-<rank>``; GWL_TEST_NAMED_STATE_DICT=1: it is given ``model.state_dict()`` (DTensors);
+    GWL_TEST_SIGTERM_BEFORE_LOOP_RANK=r: rank r sends itself SIGTERM right before ``run.steps()``.
     """
     torch.manual_seed(1234)  # the same initial weights on every rank and world size
     model = nn.Sequential(nn.Linear(4, config.hidden), nn.ReLU(), nn.Linear(config.hidden, 1))
@@ -491,6 +493,8 @@ def fit_fsdp(data, output, run, config: Params):
     sigterm_at = int(os.environ.get("GWL_TEST_SIGTERM_AT", "-1"))
     kill = _SigkillPlan(run.rank)
     sleep_s = float(os.environ.get("GWL_TEST_SLEEP", "0"))
+    if os.environ.get("GWL_TEST_SIGTERM_BEFORE_LOOP_RANK") == str(run.rank):
+        os.kill(os.getpid(), signal.SIGTERM)  # a stop on this rank alone, before its loop (the others go on)
     for step, batch in run.steps(data.batches(config.batch_size)):
         loss = nn.functional.mse_loss(model(batch["x"]).squeeze(-1), batch["y"])
         opt.zero_grad()
@@ -516,10 +520,11 @@ def fit_fsdp(data, output, run, config: Params):
                     torch.save(full, dump / f"saved-{step}.pt")
     if run.evicted:
         return None
-    if os.environ.get("GWL_TEST_NAMED"):
+    if os.environ.get("GWL_TEST_NAMED") and os.environ.get("GWL_TEST_NAMED_RANK", str(run.rank)) == str(run.rank):
         bad = os.environ.get("GWL_TEST_NAMED_BAD_RANK") == str(run.rank)
-        gwenlake_hpc.checkpoint(model, path=os.environ["GWL_TEST_NAMED"],
-                                metadata={"lr": float("nan") if bad else config.lr, "seed": run.seed})
+        name = os.environ["GWL_TEST_NAMED"] + (f"-{run.rank}" if os.environ.get("GWL_TEST_NAMED_PER_RANK") else "")
+        gwenlake_hpc.checkpoint(model.state_dict() if os.environ.get("GWL_TEST_NAMED_STATE_DICT") else model,
+                                path=name, metadata={"lr": float("nan") if bad else config.lr, "seed": run.seed})
     kill.at(kill.step, "final")
     save_state(output.file("model.safetensors"), model=model)  # one full file, written by rank 0
     kill.at(kill.step, "end")

@@ -93,6 +93,7 @@ def test_the_same_names_in_the_store_never_pass_verify(run):
     ("step-as-text", "its MANIFEST.json names step '125', its folder step 125"),
     ("no-files", "its MANIFEST.json has no list of files"),
     ("no-digest", "its MANIFEST.json gives 'weights.bin' no digest"),
+    ("a-folder", "its MANIFEST.json is not a regular file"),  # the adversarial pass's input: waited 90 s
 ])
 def test_a_damaged_manifest_the_pointer_names_is_set_aside_at_once_not_waited_for(run, damage, said, caplog):
     store, newest, _ = run
@@ -105,6 +106,9 @@ def test_a_damaged_manifest_the_pointer_names_is_set_aside_at_once_not_waited_fo
         path.write_text(json.dumps({**manifest, "step": "125"}))
     elif damage == "no-files":
         path.write_text(json.dumps({k: v for k, v in manifest.items() if k != "files"}))
+    elif damage == "a-folder":
+        path.unlink()
+        path.mkdir()
     else:
         manifest["files"]["weights.bin"].pop("digest")
         path.write_text(json.dumps(manifest))

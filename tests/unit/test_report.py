@@ -101,3 +101,20 @@ def test_a_file_instead_of_a_run_directory_is_exit_2(tmp_path, capsys):
     (tmp_path / "trainer.py").write_text("x = 1\n")
     assert run_subcommand(["report", str(tmp_path / "trainer.py")]) == 2
     assert "is not a run directory" in capsys.readouterr().err
+
+
+def test_the_ranks_comparison_is_not_stacked_with_the_seconds_of_a_step():
+    """The adversarial pass's input: a 2-rank run's time/slowest_rank (a rank index, 1.0) and the slowest and
+    median ranks' seconds were stacked with input, compute, checkpoint and tracking as if parts of a step."""
+    steps = range(10, 60, 10)
+    values = {"loss": {s: 1.0 / s for s in steps},
+              **{f"time/{k}": {s: 0.002 for s in steps} for k in ("input", "compute", "checkpoint", "tracking")},
+              "time/step_max_rank": {s: 0.011 for s in steps}, "time/step_median_rank": {s: 0.009 for s in steps},
+              "time/slowest_rank": {s: 1.0 for s in steps}}
+    fig = draw(values, marks=[], title="t", smoothing=0.0)
+    stacked = [ax for ax in fig.axes if ax.get_ylabel() == "seconds per step"]
+    assert len(stacked) == 1
+    assert [t.get_text() for t in stacked[0].get_legend().get_texts()] == ["input", "compute", "checkpoint",
+                                                                           "tracking"]
+    own = {ax.get_ylabel() for ax in fig.axes}
+    assert {"time/step_max_rank", "time/step_median_rank", "time/slowest_rank"} <= own

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from ...base.errors import CheckpointError
+from ...base.errors import CheckpointError, ConfigError
 from .digest import DEFAULT_ALGORITHM
 from .statedoc import META_KEY, state_metadata
 from .manifest import writer_version
@@ -258,10 +258,17 @@ def _view_key(t: torch.Tensor) -> tuple:
 
 def _check_same_everywhere(lay: Layout, world: int) -> None:
     """Refuse state dicts that differ between ranks (their gathers would not pair up: a hang or wrong bytes)."""
-    mine = lay.header
+    mine = ("save_state", lay.header)  # named as Dist.where_all names a call: another call of ours is told apart
     everyone: list[Any] = [None] * world
     torch.distributed.all_gather_object(everyone, mine)
-    differ = [r for r, h in enumerate(everyone) if h != mine]
+    elsewhere = [(r, e) for r, e in enumerate(everyone)
+                 if not (isinstance(e, tuple) and len(e) == 2 and e[0] == "save_state")]
+    if elsewhere:
+        r, e = elsewhere[0]
+        call = e[0] if isinstance(e, tuple) and e and isinstance(e[0], str) else "another collective"
+        raise ConfigError(f"rank {r} is in {call}, not in this save_state of a sharded model: every rank "
+                          f"calls the same saves in the same order (not under `if run.is_main:`)")
+    differ = [r for r, (_call, h) in enumerate(everyone) if h != lay.header]
     if differ:
         raise CheckpointError(f"rank {torch.distributed.get_rank()}'s model state dict differs from rank "
                               f"{differ[0]}'s in its keys, shapes or dtypes: every rank must pass the same model")

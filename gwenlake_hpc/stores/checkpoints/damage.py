@@ -53,8 +53,11 @@ def read_problem(folder: Path, run_key: str) -> str | None:
     symbolic link is damaged too (a seal renames a real folder into place)."""
     if folder.is_symlink():
         return f"folder is a symbolic link (to {os.readlink(folder)}), not a checkpoint folder"
+    path = folder / MANIFEST
+    if path.is_symlink() or (path.exists() and not path.is_file()):  # a seal writes a regular file there
+        return f"{MANIFEST} is {'a symbolic link' if path.is_symlink() else 'not a regular file'}"
     try:
-        raw = (folder / MANIFEST).read_bytes()
+        raw = path.read_bytes()
     except OSError:
         return None
     try:

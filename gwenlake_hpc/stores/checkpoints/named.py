@@ -137,8 +137,13 @@ def write_named_model(folder: Path, model: Any) -> Path:
         CheckpointError: the model is neither a module nor a mapping of tensors; on a rank that does not write,
             the writing rank failed.
     """
+    from .sharded import holds_dtensors
     from .state import save_state
 
+    if isinstance(model, Mapping) and holds_dtensors(dict(model)):  # a sharded model's state dict: gathered
+        from .consolidate import write_full_model
+
+        return write_full_model(folder / MODEL_FILE, dict(model))
     if isinstance(model, Mapping):  # save_state only asks for state_dict(): a mapping is stored as it is
         return save_state(folder / MODEL_FILE, model=SimpleNamespace(state_dict=lambda: dict(model)))  # type: ignore[arg-type]
     if hasattr(model, "state_dict"):
