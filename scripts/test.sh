@@ -42,12 +42,7 @@ cluster_log="$cluster_tmp.log"
   > "$cluster_log" 2>&1 &
 cluster_pid=$!
 set +e
-# Two workers (pytest-xdist, a test file stays on one worker with its module fixtures): one pytest process keeps
-# about one core busy (a job's subprocess at a time) while the other half mostly waits on SLURM, so the
-# machine's second core would idle. GWENLAKE_TEST_WORKERS=0 runs this half in one process.
-workers=${GWENLAKE_TEST_WORKERS:-2}
-if [ "$workers" -gt 0 ] 2>/dev/null; then xdist=(-n "$workers" --dist loadfile); else xdist=(); fi
-.venv/bin/python -m pytest -q --durations=25 -m "not slurm and not waits" "${xdist[@]}"
+.venv/bin/python -m pytest -q --durations=25 -m "not slurm and not waits"
 rest_rc=$?
 wait "$cluster_pid"
 cluster_rc=$?
