@@ -42,7 +42,7 @@ from ..base.errors import (EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, N
 from .finish import JobResult, Start, finish
 from .arguments import bind_arguments
 from .node_local import local_level, sweep_local_levels
-from .output_dir import clear_unfinished, output_dir
+from .output_dir import entries, output_dir
 from .plan import JobPlan, open_inputs, plan
 from .resume import finished_with, resume_point, retry_after_damaged_load
 from .run_lock import RunLock
@@ -314,8 +314,8 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
     except BaseException:
         _stop_watchdog(heartbeat, watchdog)
         raise
-    # Every refusal is behind us: under the lock, a version holds only the files this start writes.
-    clear_unfinished(output_dir(p.run_dir, d.rank))
+    # Under the lock: what an unfinished start left in the Output, removed before the commit if still untouched.
+    start.output_before = entries(output_dir(p.run_dir, d.rank))
     # a point MLflow records at step 0 (no step given) goes to the loop's current step; a short fit has no loop
     current_step = (lambda: 0) if getattr(tf, "is_short", False) else (lambda: run.step)
     if tf.wants_config:

@@ -13,7 +13,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -23,6 +23,7 @@ from .. import __version__
 from ..base.errors import EXIT_EVICTED, EXIT_FAILED, ConfigError
 from ..base.fsutil import write_json_atomic
 from ..base.lease import check_fence
+from .output_dir import drop_unfinished
 from .plan import JobPlan
 from ..stores.registry import after_commit, complete_pending_registrations, serving_info, warn_if_pending
 from ..runtime.signals import StopRequest
@@ -72,6 +73,8 @@ class Start:
             schema goes into the version's serving info).
         ledger: this start's goodput ledger (:class:`gwenlake_hpc.runtime.ledger.StartLedger`, rank 0), or None.
         mtbf_s: gives M for ``job.eval_every=auto`` (seconds), or None.
+        output_before: the Output's entries as this start found them (:func:`.output_dir.entries`): those still
+            untouched are removed before the commit.
     """
 
     tracker: Any
@@ -83,6 +86,7 @@ class Start:
     inputs: dict[str, Any]
     ledger: Any = None
     mtbf_s: Any = None
+    output_before: dict = field(default_factory=dict)
 
 
 def finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
@@ -111,6 +115,7 @@ def finish(p: JobPlan, run: Run, result: Any, start: Start) -> JobResult:
         goodput_totals(p, run, start, evicted=True)
         tracker.finish("KILLED", timeout_s=min(finish_timeout, 20.0))
         return JobResult(EXIT_EVICTED, None, p.run_dir, run.step)
+    drop_unfinished(p.run_dir / "output", start.output_before)  # a version holds only this start's files
     metrics = _checked_metrics(p, run, result, start)
     if metrics is None:
         return JobResult(EXIT_FAILED, None, p.run_dir, run.step)
