@@ -197,6 +197,11 @@ class Lease:
                 break
             except FileExistsError:
                 pass
+            except PermissionError:
+                # sshfs answers an exclusive create that loses a race with another mount's as EPERM (the
+                # server's generic failure), not EEXIST: the same answer when the file is there now.
+                if not os.path.lexists(self.path):
+                    raise
             holder = _read_settled(self.run_dir)
             if holder is None:
                 continue  # released or broken in between: create again

@@ -68,6 +68,11 @@ def slurm_queue_times(job_id: str | None, run: Any = None) -> dict[str, Any]:
 
 # --- run.json -------------------------------------------------------------------------------------------------
 
+#: Seconds a start reads an unreadable ``run.json`` again before it calls it damaged (at most
+#: ``checkpoint.visible_wait_s``): sshfs's and NFS's attribute caches last up to about 30 s.
+RUN_JSON_WAIT_S = 40.0
+
+
 def run_record(p: JobPlan, info_path: Path) -> dict[str, Any]:
     """The run's record (``run.json``) as earlier starts left it, or a new one from the plan.
 
@@ -75,10 +80,18 @@ def run_record(p: JobPlan, info_path: Path) -> dict[str, Any]:
         ConfigError: ``run.json`` is not a JSON object with a list of starts (edited, truncated by hand): the
             run is not touched.
     """
-    try:
-        info = read_json(info_path, default=None)
-    except ValueError as exc:
-        info = exc
+    # A node's cache of a network filesystem may show a run.json another node just replaced with the old size
+    # (a cut read): read again for a while before calling it damaged.
+    deadline = time.monotonic() + min(float(p.settings.checkpoint.visible_wait_s), RUN_JSON_WAIT_S)
+    while True:
+        try:
+            info = read_json(info_path, default=None)
+            break
+        except ValueError as exc:
+            info = exc
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(1.0)
     if info is not None and not (isinstance(info, dict) and isinstance(info.get("starts", []), list)):
         why = f"not JSON ({info})" if isinstance(info, ValueError) else "not an object with a list of starts"
         raise ConfigError(f"{info_path} is damaged: {why}. Restore it from a copy, or move the run directory "

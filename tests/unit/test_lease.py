@@ -139,3 +139,23 @@ def test_a_torn_record_read_during_a_renewal_is_read_again(tmp_path, monkeypatch
     lease.check("sealing")  # the torn read is not a loss
     assert lease.lost is None
     lease.release()
+
+
+def test_an_exclusive_create_refused_as_eperm_by_sshfs_reads_the_holder(tmp_path, monkeypatch):
+    """The CI run's input: two starts on two sshfs mounts raced to create .lease and the loser got EPERM (sshfs's
+    answer for the server's failure), a traceback. With the file there it is the holder's lease: refused by name."""
+    first = Lease(tmp_path, timeout_s=60).acquire()
+    real_open = os.open
+
+    def sshfs_open(path, flags, *args):
+        if flags & os.O_EXCL and os.path.lexists(path):
+            raise PermissionError(1, "Operation not permitted", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(leases.os, "open", sshfs_open)
+    with pytest.raises(RunHeldError, match=f"pid {os.getpid()} on {socket.gethostname()}"):
+        Lease(tmp_path, timeout_s=60).acquire()
+    first.release()
+    with pytest.raises(PermissionError):  # a real refusal (no file there) is not hidden
+        monkeypatch.setattr(leases.os, "open", lambda *a: (_ for _ in ()).throw(PermissionError(1, "no")))
+        Lease(tmp_path, timeout_s=60).acquire()
