@@ -196,15 +196,15 @@ def install_early() -> StopRequest:
 
     Called by the command lines before Hydra, torch and the user's module are imported: a stop signal during
     start-up (SLURM may signal early) or after the version was committed is recorded instead of killing the
-    process with the default action (exit 143). During the start-up a stop signal ends the process at once
-    (:meth:`StopRequest.arm`: :class:`StopInterrupt`, exit 75 from the job or the command line); the job then
-    uses this same :class:`StopRequest` (:func:`process_stop`).
+    process with the default action (exit 143). The job then uses this same :class:`StopRequest`
+    (:func:`process_stop`): it arms it (:meth:`StopRequest.arm`) as it begins, so a stop recorded while Hydra
+    composed ends the start there with exit 75, and one while the user's module imports ends it at once (never
+    inside Hydra or OmegaConf, whose state an exception raised anywhere would corrupt).
     """
     global _PROCESS_STOP
     if _PROCESS_STOP is None:
         _PROCESS_STOP = StopRequest()
         _PROCESS_STOP.install()
-        _PROCESS_STOP.arm()  # the start-up: a stop ends it at once (the job disarms it once its plan is made)
     return _PROCESS_STOP
 
 

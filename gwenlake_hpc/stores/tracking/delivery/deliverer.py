@@ -465,7 +465,10 @@ def main() -> int:
     if not line:
         return 0
     setup = json.loads(line)
-    if setup.get("ppid"):  # a suspended training (scontrol suspend) stops its delivery too: no CPU, no network
+    # A suspended SLURM job (scontrol suspend) stops its delivery too: no CPU, no network. Only under SLURM, whose
+    # resume continues both: a training SIGSTOPped by hand elsewhere could leave it stopped for good, holding a
+    # lock of the tracking store (a SQLite write) that other runs' deliveries wait for.
+    if setup.get("ppid") and os.environ.get("SLURM_JOB_ID"):
         follow_parent_stops(int(setup["ppid"]))
     ops: queue.Queue[dict[str, Any] | None] = queue.Queue()
 
