@@ -46,3 +46,13 @@ def pid_gone(pid: int) -> bool:
     except PermissionError:
         return False
     return False
+
+
+def proc_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` in ``/proc/<pid>/stat`` (``R``, ``S``, ``T`` stopped, ``t`` traced,
+    ``Z``...), or None when it cannot be read (no such process, not Linux)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError, ValueError):
+        return None

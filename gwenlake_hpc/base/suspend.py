@@ -30,22 +30,14 @@ import threading
 import time
 from collections import deque
 
+from .processes import proc_state
+
 #: Seconds between two wakes of the sampler thread (the precision of a suspension's length).
 SAMPLE_S = 0.25
 #: A gap between two wakes longer than this (seconds) may be a suspension (below: scheduling noise).
 GAP_S = 1.0
 #: Seconds between two looks of a follower at its parent's state.
 FOLLOW_S = 0.5
-
-
-def proc_state(pid: int) -> str | None:
-    """The state letter of process ``pid`` in ``/proc/<pid>/stat`` (``R``, ``S``, ``T`` stopped, ``t`` traced,
-    ``Z``...), or None when it cannot be read (no such process, not Linux)."""
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def is_stopped(pid: int) -> bool:

@@ -109,7 +109,7 @@ def checkpoint(model: Any, path: str | None = None, metadata: Mapping[str, Any] 
         except OSError as exc:
             failure = f"{type(exc).__name__}: {exc}"
     # Every rank knows rank 0 has its folder before a collective write begins (none waits in a gather alone).
-    failure = d.broadcast(failure) if d.enabled else failure
+    failure = d.broadcast(failure)
     if failure is None:
         try:
             if run.is_main or sharded:  # the others take part in a sharded model's gathers; they write nothing
@@ -121,7 +121,7 @@ def checkpoint(model: Any, path: str | None = None, metadata: Mapping[str, Any] 
         finally:
             if tmp is not None and tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
-        failure = d.broadcast(failure) if d.enabled else failure
+        failure = d.broadcast(failure)
     if failure is not None:
         raise CheckpointError(f"named checkpoint {name!r}: rank 0 could not write it ({failure}); nothing was put "
                               "in place")

@@ -15,10 +15,9 @@ import re
 import socket
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
-from ..base.processes import pid_gone
+from ..base.processes import pid_gone, proc_state
 
 #: Seconds a survivor waits for a peer of its host to be seen gone: the kernel closes a killed process's sockets
 #: (the survivor's collective fails) a moment before the process has ended.
@@ -52,13 +51,7 @@ def from_gathered(gathered: Sequence[Any]) -> list[Peer]:
 
 def gone(pid: int) -> bool:
     """True when process ``pid`` of this host has ended: no such process, or a zombie (ended, not reaped)."""
-    if pid_gone(pid):
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2:][:1] in ("Z", "X")
+    return pid_gone(pid) or proc_state(pid) in ("Z", "X")
 
 
 def is_lost_peer(exc: BaseException) -> bool:

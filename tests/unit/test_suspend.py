@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from gwenlake_hpc.base.suspend import proc_state
+from gwenlake_hpc.base.processes import proc_state
 from gwenlake_hpc.runtime.progress import Progress
 
 _PARENT = r"""
