@@ -343,7 +343,7 @@ def _train(p: JobPlan, kwargs: dict[str, Any], d: Dist, reporting: _Reporting, s
         except StopInterrupt as exc:
             stop.disarm()
             log.warning("stop requested (%s) before the training loop began: this start ends now (exit %d), having "
-                        "trained nothing; the newest checkpoint is kept: run the same job again to resume", exc,
+                        "trained nothing; its checkpoints (if any) are kept: run the same job again to resume", exc,
                         EXIT_EVICTED)
             run.wait_for_checkpoint(raise_error=False)
             tracker.finish("KILLED", timeout_s=min(finish_timeout, 20.0))
