@@ -372,9 +372,15 @@ def test_churn_survives_preemption_time_limit_and_sigkill(tmp_path):
     wait_until(lambda: newest_step(project.root, pattern) >= 5000, what="a checkpoint at step 5000")
     assert sh("sbatch", "--parsable", "-o", "/dev/null", "-p", "high", "-w", "n1", "-c", "2", "--wrap", "sleep 2")
     wait_until(lambda: requeued_after(0), what="the preempted job requeued")
-    # Start 2: a 1-minute time limit.
-    set_time_limit(1)
+    # Start 2: a time limit that ends within a minute, set once the start is in its loop. SLURM may send the
+    # warning signal as soon as a start begins (up to 60 s before --signal's delay): set at the release, a start
+    # slow to import (a loaded machine) was stopped in its start-up, a path of its own (test_a_rank_sleeping_at_import_ends_at_once_on_sigterm).
     release(int(job))
+    wait_until(lambda: len(read_ledger(run_dir)) == 2 and read_ledger(run_dir)[1].get("first_step") is not None,
+               what="start 2 in its loop")
+    elapsed_s = sum(int(x) * m for x, m in zip(reversed(job_fields(job)["RunTime"].replace("-", ":").split(":")),
+                                                  (1, 60, 3600, 86400)))
+    set_time_limit(elapsed_s // 60 + 1)  # under a minute left: the warning comes at once or within 30 s
     wait_until(lambda: requeued_after(1), timeout=300, what="the time-limited start requeued")
     set_time_limit(10)
     release(int(job))
