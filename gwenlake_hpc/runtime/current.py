@@ -64,8 +64,9 @@ def checkpoint(model: Any, path: str | None = None, metadata: Mapping[str, Any] 
     In a job of several ranks it is a collective: call it on every rank, with the same arguments, as
     ``save_state``. The arguments are checked on every rank and a refusal on any rank is raised on all of them
     (no rank goes on into a collective the others left); a sharded model (FSDP2's DTensors) is gathered tensor
-    by tensor into one full file written by rank 0 (every rank takes part); a plain model is written by rank 0
-    alone; every rank then learns how rank 0's write ended, and returns or raises with it.
+    by tensor into one full file written by rank 0 (every rank takes part); an FSDP1 model's full state dict is
+    gathered by FSDP1 one unit at a time into rank 0's host memory and written by rank 0 (every rank takes
+    part); a plain model is written by rank 0 alone; every rank then learns how rank 0's write ended, and returns or raises with it.
 
     Args:
         model: an ``nn.Module`` (its state_dict) or a state_dict; stored as ``model.safetensors``.
@@ -83,7 +84,7 @@ def checkpoint(model: Any, path: str | None = None, metadata: Mapping[str, Any] 
     """
     from ..base.errors import CheckpointError, ConfigError
     from ..stores.checkpoints.named import begin_named, check_named, seal_named, store_dir, write_named_model
-    from ..stores.checkpoints.sharded import holds_dtensors
+    from ..stores.checkpoints.sharded import holds_dtensors, is_sharded_model
 
     run = current_run()
     d = run.dist
@@ -92,16 +93,12 @@ def checkpoint(model: Any, path: str | None = None, metadata: Mapping[str, Any] 
         name, meta, files = check_named(name, metadata, additional_files)
     except ConfigError as exc:
         refusal = str(exc)
-    if refusal is None and _is_fsdp1(model):  # its state_dict() is a collective of its own, in its own order
-        refusal = ("gwenlake_hpc.checkpoint(model): an FSDP1 model (FullyShardedDataParallel); pass its full "
-                   "state dict, taken on every rank: get_model_state_dict(model, options=StateDictOptions("
-                   "full_state_dict=True, cpu_offload=True)) from torch.distributed.checkpoint.state_dict")
     refusal = _agree_to_save(d, name, refusal)
     if refusal is not None:
         raise ConfigError(refusal)
     model_root = run.run_dir.parent
-    sharded = hasattr(model, "parameters") and holds_dtensors([*model.parameters(), *model.buffers()]) \
-        or isinstance(model, Mapping) and holds_dtensors(dict(model))
+    # FSDP1 too: every rank takes part in its full state dict's gather (rank 0 keeps it, in host memory)
+    sharded = is_sharded_model(model) or isinstance(model, Mapping) and holds_dtensors(dict(model))
     failure, tmp = None, None
     if run.is_main:
         try:
@@ -129,18 +126,6 @@ def checkpoint(model: Any, path: str | None = None, metadata: Mapping[str, Any] 
     if run.is_main:
         log.info("named checkpoint %s saved at step %d: %s", name, run.step, dest)
     return dest
-
-
-def _is_fsdp1(model: Any) -> bool:
-    """Whether ``model`` is or holds an FSDP1 ``FullyShardedDataParallel`` module."""
-    modules = getattr(model, "modules", None)
-    if modules is None:
-        return False
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # a torch built without distributed
-        return False
-    return any(isinstance(m, FullyShardedDataParallel) for m in modules())
 
 
 #: The name this call gives itself in :meth:`Dist.where_all` (the job's end gives ``"end"``).

@@ -35,10 +35,11 @@ class Params:
 
 
 def _full_state(model, opt):
-    """The full (unsharded) model and optimizer state, on rank 0 (a collective under FSDP1)."""
+    """The full (unsharded) model and optimizer state on every rank (a collective under FSDP1; not cpu_offload,
+    whose rank0_only gather fails when FSDP1's parameters are on the CPU, torch 2.13)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
 
 
 @train(data=Input("t.rows"), output=Output("t.model"), steps=40, eval_every=5)

@@ -13,7 +13,11 @@ then the tensors are made full one at a time and streamed into the file (:func:`
 the same durable write as every checkpoint file: temporary name, fsync, rename, directory fsync).
 
 - :func:`write_full_model`: inside the distributed job, every rank taking part; each DTensor is gathered
-  (``full_tensor()``, a collective) in the file's order, and only the writing rank keeps and writes it.
+  (``full_tensor()``, a collective) in the file's order, and only the writing rank keeps and writes it. An FSDP1
+  model (plain tensors, sharded inside FSDP1's flat parameters) is gathered by FSDP1 itself:
+  ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` all-gathers one FSDP1 unit at a time and
+  keeps the full tensors in rank 0's host memory only (the whole model there, none on the devices; a CPU
+  training: every rank holds the full state dict).
 - :func:`consolidate_dcp`: on one process, without a process group, from a folder ``torch.distributed.
   checkpoint`` (DCP) wrote (``.metadata`` + ``__<rank>_0.distcp``): each tensor is read by ``dcp.load`` into an
   empty full tensor, DCP assembling it from the ranks' shards.
@@ -53,6 +57,9 @@ def write_full_model(path: str | os.PathLike, model_or_state_dict: torch.nn.Modu
             ``module.``, as ``save_state`` keeps them; pass ``get_model_state_dict(model)`` to drop them), or a
             state dict of tensors. DTensors (FSDP2, tensor parallel; any device) are gathered; plain tensors
             (replicated, or a non-distributed model) are written as they are, by the writing rank alone.
+            A module holding FSDP1 modules: its full state dict under the original parameter names, gathered
+            by FSDP1 one unit at a time into rank 0's host memory (the whole model there) when rank 0 writes
+            and the parameters are on an accelerator; otherwise every rank holds the full state dict.
         rank_writes: the global rank that writes the file.
         algorithm: digest algorithm (see :mod:`.digest`); the digest is computed while writing.
 
@@ -76,6 +83,8 @@ def write_full_model(path: str | os.PathLike, model_or_state_dict: torch.nn.Modu
             it). OSError: on the writing rank, the write failed (nothing is put in place).
     """
     path = Path(path)
+    if isinstance(model_or_state_dict, torch.nn.Module) and _holds_fsdp1(model_or_state_dict):
+        return _write_fsdp1_model(path, model_or_state_dict, rank_writes, algorithm)
     state = (model_or_state_dict.state_dict() if isinstance(model_or_state_dict, torch.nn.Module)
              else dict(model_or_state_dict))
     for key, value in state.items():
@@ -100,6 +109,52 @@ def write_full_model(path: str | os.PathLike, model_or_state_dict: torch.nn.Modu
         _take_part(order, path, rank_writes, distributed)
     else:
         _write_gathered(path, lay, order, rank_writes, distributed, algorithm)
+    return path
+
+
+def _holds_fsdp1(model: torch.nn.Module) -> bool:
+    from .sharded import holds_fsdp1
+
+    return holds_fsdp1(model)
+
+
+def _write_fsdp1_model(path: Path, model: torch.nn.Module, rank_writes: int, algorithm: str) -> Path:
+    """:func:`write_full_model` of a model holding FSDP1 modules: FSDP1 gathers its full state dict (whatever
+    ``state_dict_type`` the user set, restored after the call) into host memory, on rank 0 only when rank 0
+    writes (on every rank otherwise); the writing rank writes it as a plain model's file."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # FSDP1's rank0_only gather into host memory (cpu_offload) frees the unsharded parameters it copies from when
+    # they are in host memory already (a CPU training: torch 2.13 then fails). There, and when another rank
+    # writes, every rank holds the full state dict and the writing rank writes it.
+    on_host = all(p.device.type == "cpu" for p in model.parameters())
+    if rank_writes != 0 or on_host:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        return write_full_model(path, {k: v.cpu() for k, v in full.items()}, rank_writes=rank_writes,
+                                algorithm=algorithm)
+    # cpu_offload: FSDP1's rank0_only; the other ranks get an empty dict and hear how rank 0 fared
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    distributed = torch.distributed.is_initialized()
+    if distributed and torch.distributed.get_rank() != 0:
+        outcome = _outcome_of(0, None)
+        if outcome is not None:
+            raise CheckpointError(f"rank 0 could not write the model file {path}: {outcome}")
+        return path
+    try:
+        for key, value in full.items():
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"state dict entry {key!r} is a {type(value).__name__}, not a tensor: a "
+                                      "model file holds tensors only")
+        aliases = _exact_aliases(full)
+        kept = {k: v for k, v in full.items() if k not in aliases}
+        lay = layout({k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in kept.items()},
+                     _state_metadata(list(full), aliases))
+    except Exception as exc:
+        if distributed:
+            _outcome_of(0, f"{type(exc).__name__}: {exc}")
+        raise
+    order = [(name, kept[name]) for name, _t, begin, end in lay.entries if end > begin]
+    _write_gathered(path, lay, order, 0, distributed, algorithm)  # plain tensors: no gather, then the outcome
     return path
 
 

@@ -1,9 +1,13 @@
-"""Sharded training states (FSDP2, DTensor) through torch.distributed.checkpoint (DCP), sealed and verified.
+"""Sharded training states (FSDP2, DTensor, FSDP1) through torch.distributed.checkpoint (DCP), sealed and verified.
 
 Responsibilities:
 
-- say whether a state holds DTensors (:func:`holds_dtensors`) and whether a path is a DCP folder
-  (:func:`is_dcp_folder`): ``save_state``/``load_state`` (:mod:`.state`) dispatch on them;
+- say whether a model's state is sharded over the ranks (:func:`is_sharded_model`: DTensors, or an FSDP1
+  ``FullyShardedDataParallel`` module inside it, whose parameters are plain tensors), whether a state holds
+  DTensors (:func:`holds_dtensors`) and whether a path is a DCP folder (:func:`is_dcp_folder`):
+  ``save_state``/``load_state`` (:mod:`.state`) dispatch on them;
+- refuse, before anything is written or read, what DCP's ``get_state_dict`` cannot key by the model's
+  parameter names (:func:`check_optimizer`: an optimizer parameter that is not the model's), a ConfigError;
 - write a sharded state (:func:`save_sharded`, :func:`write_dcp`): every rank writes its own shards in
   parallel with DCP's planners and ``FileSystemWriter`` (``sync_files=True``: each file fsynced), into one DCP folder
   (``.metadata`` + ``__<rank>_<n>.distcp``) at the same path of the one partial checkpoint; replicated tensors
@@ -17,8 +21,15 @@ Responsibilities:
   rank (DCP gathers the read errors of all ranks into one ``CheckpointException``, unwrapped here);
 - a size that does not fit the model is a :class:`StateMismatchError` naming the tensor and both shapes.
 
-Layout of the DCP folder's keys: ``model`` (the model's state dict, DTensors as they are), ``optim`` (the
-optimizer's, keyed by parameter name, as ``get_state_dict`` gives it), ``gwenlake.doc`` (a JSON document: the
+FSDP1 goes the same way as FSDP2: ``get_state_dict``/``set_state_dict`` set FSDP1's ``SHARDED_STATE_DICT`` type for
+their call (whatever type the user set: FULL, SHARDED or LOCAL is restored after it) and give each rank's shard
+of every original parameter, and of its optimizer state, as ShardedTensors under the original parameters' names
+(``use_orig_params`` True or False alike: the flat parameters never reach the folder), so any world size, FSDP1,
+FSDP2 or a plain model, reads the folder back. FSDP1's state dict is made anew at each call (gathered and
+re-chunked by FSDP1): its host copies are not reused from one asynchronous checkpoint to the next.
+
+Layout of the DCP folder's keys: ``model`` (the model's state dict, DTensors or ShardedTensors as they are),
+``optim`` (the optimizer's, keyed by parameter name, as ``get_state_dict`` gives it), ``gwenlake.doc`` (a JSON document: the
 structure of the scheduler and extra values, as in a safetensors state file) and ``gwenlake.t.<name>`` (their
 tensors). Any DCP tool (``dcp_to_torch_save``, ``dcp.load``) reads it.
 
@@ -35,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from concurrent.futures import Future
 import os
 import warnings
 from pathlib import Path
@@ -42,7 +54,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ...base.errors import CheckpointError, DamagedFileError, StateMismatchError
+from ...base.errors import CheckpointError, ConfigError, DamagedFileError, StateMismatchError
 from .buffers import wait_for_staging
 from .digest import file_digest
 from .manifest import manifest_entry
@@ -67,6 +79,48 @@ def holds_dtensors(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(holds_dtensors(v) for v in value)
     return False
+
+
+def holds_fsdp1(model: Any) -> bool:
+    """True when ``model`` (an ``nn.Module``) is or holds an FSDP1 ``FullyShardedDataParallel`` module."""
+    modules = getattr(model, "modules", None)
+    if modules is None or not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for m in modules())
+
+
+def is_sharded_model(model: Any) -> bool:
+    """True when ``model``'s state is sharded over the ranks: its parameters or buffers are DTensors (FSDP2,
+    tensor parallelism) or it holds an FSDP1 module (whose parameters are plain tensors: flat ones, or views of
+    them with ``use_orig_params=True``). Reads no state dict: no collective."""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    return holds_dtensors([*model.parameters(), *model.buffers()]) or holds_fsdp1(model)
+
+
+def check_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, what: str) -> None:
+    """Refuse an optimizer of a sharded model that steps a parameter the model does not hold:
+    ``get_state_dict`` keys the optimizer's state by the model's parameter names, so that parameter's state
+    could be neither saved nor restored (DCP raises a bare KeyError). Local: no collective, the same answer on
+    every rank.
+
+    Raises:
+        ConfigError (exit 2): naming the parameter group, the position and the shape of the parameter.
+    """
+    if optimizer is None:
+        return
+    own = {id(p) for p in model.parameters()}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if id(p) not in own:
+                raise ConfigError(
+                    f"{what}: the optimizer's parameter {i} of group {g} (shape {list(p.shape)}) is not a "
+                    "parameter of the model: the state of a sharded model's optimizer (FSDP1, FSDP2) is saved by "
+                    "torch.distributed.checkpoint under the model's parameter names, so this one could not be "
+                    "restored; give the optimizer the model's parameters only (make the tensor a parameter of the "
+                    "model, or save it with extra=)")
 
 
 def is_dcp_folder(path: str | os.PathLike) -> bool:
@@ -105,8 +159,15 @@ def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
                   doc: Mapping[str, Any] | None = None,
                   tensors: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """The state dict :func:`save_sharded` gives DCP: ``model`` and ``optim`` from ``get_state_dict`` (DTensors
-    as they are, no copy, no collective), the other parts' document and tensors (see the module's docstring)."""
+    as they are, no copy, no collective; FSDP1: each rank's ShardedTensors, a collective), the other parts'
+    document and tensors (see the module's docstring).
+
+    Raises:
+        ConfigError: the optimizer steps a parameter the model does not hold (:func:`check_optimizer`).
+    """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    check_optimizer(model, optimizer, "save_state")
 
     if optimizer is not None:
         msd, osd = get_state_dict(model, optimizer)
@@ -125,14 +186,15 @@ def save_sharded(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.O
 
     In an asynchronous checkpoint (``pending.asynchronous``) nothing is written here: a copy of the state into
     the run's reused host memory starts (:meth:`PendingCheckpoint.stage`: DCP's ``DefaultStager`` in its
-    staging thread, pinned memory and non-blocking copies on CUDA; the next optimizer step waits for it) and
+    staging thread, pinned memory and non-blocking copies on CUDA; the next optimizer step waits for it; FSDP1:
+    copied at once by DCP's ``BlockingAsyncStager``, into memory allocated for this checkpoint) and
     the write is left to the checkpoint's background writer (:meth:`PendingCheckpoint.write_deferred`), which
     every rank runs on a process group of its own.
 
     Args:
         path: the folder (conventionally ``state.safetensors`` inside the checkpoint; a rank other than 0 of a
             checkpoint writes into rank 0's partial directory, see :meth:`PendingCheckpoint.sharded_target`).
-        model: the (FSDP2 / DTensor) model; its state through ``get_state_dict``.
+        model: the (FSDP2 / DTensor / FSDP1) model; its state through ``get_state_dict``.
         optimizer: its optimizer, or None.
         doc: the JSON document of the other parts (scheduler, extra), written as ``gwenlake.doc``.
         tensors: their tensors by name (``scheduler.x``, ``extra.blob``), written as ``gwenlake.t.<name>``.
@@ -144,6 +206,7 @@ def save_sharded(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.O
 
     Raises:
         CheckpointError: no model given.
+        ConfigError: the optimizer steps a parameter the model does not hold (:func:`check_optimizer`).
         torch.distributed.checkpoint.api.CheckpointException: a rank failed writing (raised on every rank).
     """
     if model is None:
@@ -153,6 +216,15 @@ def save_sharded(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.O
     if pending is not None:
         rel = Path(path).absolute().relative_to(pending.dir.absolute()).as_posix()
         pending.note_sharded(f"{rel} ({', '.join(k for k in ('model', 'optim') if k in state)})")
+    if pending is not None and pending.asynchronous and holds_fsdp1(model):
+        # FSDP1's ShardedTensors, made anew at each call, which DCP's DefaultStager cannot copy: DCP's
+        # BlockingAsyncStager copies them to host memory here, in the loop (allocated at every checkpoint)
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        staged = Future()
+        staged.set_result(BlockingAsyncStager().stage(state))
+        pending.defer(lambda group: write_dcp(target, staged.result(), pending, group), staged)
+        return target
     if pending is not None and pending.asynchronous:
         staged = pending.stage(state)  # a Future: the copy runs while the loop goes on
         pending.defer(lambda group: write_dcp(target, staged.result(), pending, group), staged)
@@ -279,6 +351,7 @@ def load_sharded(path: Path, *, model: torch.nn.Module | None, optimizer: torch.
     Raises:
         DamagedFileError: a file this rank or another reads does not match the checkpoint's manifest.
         StateMismatchError (exit 2): a tensor's shape differs between the folder and the model.
+        ConfigError: the optimizer steps a parameter the model does not hold (:func:`check_optimizer`).
         CheckpointError: a part asked for was not saved, or the read failed otherwise.
     """
     import torch.distributed.checkpoint as dcp
@@ -288,6 +361,8 @@ def load_sharded(path: Path, *, model: torch.nn.Module | None, optimizer: torch.
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                          set_model_state_dict, set_state_dict)
 
+    if model is not None:
+        check_optimizer(model, optimizer, "load_state")
     wait_for_staging()  # the model is about to change: a checkpoint's copy of it must be complete
     reader = _reader_class()(path)
     metadata = reader.read_metadata()  # verified first: every rank checks the same file

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from ...base.errors import CheckpointError, StateMismatchError
-from .sharded import holds_dtensors, is_dcp_folder, load_sharded, save_sharded, sharded_state
+from .sharded import (holds_dtensors, holds_fsdp1, is_dcp_folder, is_sharded_model, load_sharded, save_sharded,
+                      sharded_state)
 from .statedoc import FORMAT, META_KEY, state_metadata
 from .manifest import check_format, manifest_entry, writer_version
 from .partial import open_checkpoint_of
@@ -58,22 +59,26 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
 
     Tensors are copied to the CPU one at a time; dtypes and shapes are kept exactly.
 
-    Sharded states: when the model's or the optimizer's state dict holds DTensors (FSDP2, tensor parallelism),
-    inside ``run.checkpoint()`` ``path`` becomes a folder in torch.distributed.checkpoint's format written by
+    Sharded states: when the model is sharded (DTensors: FSDP2, tensor parallelism; or an FSDP1
+    ``FullyShardedDataParallel`` module, whatever its ``use_orig_params`` and ``state_dict_type``), inside ``run.checkpoint()`` ``path`` becomes a folder in torch.distributed.checkpoint's format written by
     every rank (call it on every rank, in the same order); in an asynchronous checkpoint each rank only copies
     its shards into reused host memory here, and writes them in the background; see :mod:`.sharded`. A sharded model alone outside a checkpoint (``save_state(output.file("model.safetensors"),
     model=m)`` at the end) is written as one full safetensors file by rank 0, tensor by tensor, never the
-    whole model in one rank's memory (:func:`.consolidate.write_full_model`; every rank calls it).
+    whole model in one rank's memory (:func:`.consolidate.write_full_model`; every rank calls it; FSDP1: its
+    full state dict, offloaded to rank 0's host memory unit by unit by FSDP1, written by rank 0).
 
     Returns:
         The path written (for a sharded state on a rank other than 0, in the checkpoint's shared directory).
 
     Raises:
         CheckpointError: a value is neither a tensor nor JSON-able (the message names its path).
+        ConfigError (exit 2): the optimizer of a sharded model steps a parameter the model does not hold (its
+            state could not be restored: :func:`.sharded.check_optimizer`).
     """
     parts: dict[str, Any] = {}
     # A sharded model's state (and its optimizer's) is read once, by get_state_dict in save_sharded, not here.
-    sharded = isinstance(model, torch.nn.Module) and holds_dtensors([*model.parameters(), *model.buffers()])
+    # FSDP1's own state_dict() (FULL by default: every rank gathers the whole model) is never called here.
+    sharded = is_sharded_model(model)
     if model is not None:
         parts["model"] = None if sharded else model.state_dict()
     if optimizer is not None:
@@ -91,7 +96,7 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
             from .consolidate import write_full_model
 
             return write_full_model(path, model)
-        # FSDP2 / DTensor: every rank writes its shards into a DCP folder at ``path`` (see .sharded).
+        # FSDP2 / DTensor / FSDP1: every rank writes its shards into a DCP folder at ``path`` (see .sharded).
         doc = _sharded_doc(parts, tensors)
         return save_sharded(Path(path), model=model, optimizer=optimizer, doc=doc, tensors=tensors,
                             pending=open_checkpoint_of(path))
@@ -131,6 +136,8 @@ def sharded_staging_state(*, model: torch.nn.Module | None = None, optimizer: to
     Raises:
         CheckpointError: as :func:`save_state`.
     """
+    if holds_fsdp1(model):  # made anew by FSDP1 at each call: host copies made ahead would not be reused
+        return None
     parts = _parts(model, optimizer, scheduler, extra)
     if model is None or not (holds_dtensors(parts.get("model")) or holds_dtensors(parts.get("optimizer"))):
         return None
@@ -147,6 +154,8 @@ def state_file_size(*, model: torch.nn.Module | None = None, optimizer: torch.op
     Raises:
         CheckpointError: as :func:`save_state`.
     """
+    if is_sharded_model(model):
+        return None
     parts = _parts(model, optimizer, scheduler, extra)
     if holds_dtensors(parts.get("model")) or holds_dtensors(parts.get("optimizer")):
         return None
@@ -231,13 +240,14 @@ def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
             continue
         if key not in parts:
             raise CheckpointError(f"{path} holds no {key} state (it has: {', '.join(sorted(parts)) or 'nothing'})")
-        if key == "model" and holds_dtensors(obj.state_dict()):
+        if key == "model" and is_sharded_model(obj):
             _load_full_into_sharded(path, obj, parts[key], strict)
         elif key == "model":
             obj.load_state_dict(parts[key], strict=strict)
-        elif key == "optimizer" and holds_dtensors(obj.state_dict()):
+        elif key == "optimizer" and (holds_dtensors(obj.state_dict()) or is_sharded_model(model)):
             raise StateMismatchError(f"{path} holds a plain optimizer state and the optimizer's is sharded "
-                                     "(FSDP2 / DTensor): load the model from it, or resume from a sharded state")
+                                     "(FSDP2 / DTensor / FSDP1): load the model from it, or resume from a sharded "
+                                     "state")
         else:
             obj.load_state_dict(parts[key])
     return parts.get("extra", {})
@@ -250,9 +260,10 @@ def _load_full_into_sharded(path: Path, model: torch.nn.Module, full: Mapping[st
     Raises:
         StateMismatchError: a tensor's shape differs (named, with both shapes).
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    for name, t in model.state_dict().items():
+    # global shapes under the original names (FSDP1's own state_dict() may be LOCAL: flat shards)
+    for name, t in get_model_state_dict(model).items():
         if name in full and tuple(full[name].shape) != tuple(t.shape):
             raise StateMismatchError(f"tensor {name!r} has shape {list(t.shape)} in the model and "
                                      f"{list(full[name].shape)} in {path}: build the model as it was saved")
