@@ -384,7 +384,11 @@ def load_sharded(path: Path, *, model: torch.nn.Module | None, optimizer: torch.
         raise CheckpointError(f"{path}: a sharded optimizer state is restored with its model (model=, optimizer=)")
     try:
         with _single_process_quiet():
-            dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=not strict),
+            # flatten_sharded_tensors (for FSDP1 under 2-D parallelism, whose ShardedTensors nest) drops a
+            # ShardedTensor with no shard on this rank (FSDP1 chunks a tensor of fewer rows than ranks so): its
+            # key then looks missing and the load fails. Nothing here nests them: 2-D FSDP1 gives DTensors.
+            planner = DefaultLoadPlanner(allow_partial_load=not strict, flatten_sharded_tensors=False)
+            dcp.load(state, storage_reader=reader, planner=planner,
                      no_dist=not torch.distributed.is_initialized())
     except CheckpointException as exc:
         raise _unwrap(exc) from None
