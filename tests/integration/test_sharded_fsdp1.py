@@ -7,8 +7,9 @@ model and rank 0's optimizer shard only, and ``load_state`` loaded rank 0's shar
 ``use_orig_params=False`` the rerun committed other weights and other losses (silently), with ``True`` it failed
 at its first optimizer step. Checked here: the committed weights equal an uninterrupted run's element for element
 and MLflow has every step's loss once, equal to the uninterrupted run's; every rank's shards are in the
-checkpoint; the checkpoint of 2 ranks resumes in one process with the full state saved; the user's own
-``state_dict_type`` changes nothing; a state that cannot be restored exactly is refused with exit 2.
+checkpoint; a named checkpoint (``gwenlake_hpc.checkpoint(model)``) holds the full model; the checkpoint of 2
+ranks resumes in one process with the full state saved; the user's own ``state_dict_type`` changes nothing; a
+state that cannot be restored exactly is refused with exit 2.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import shutil
 import pytest
 import torch
 from mlflow import MlflowClient
+from safetensors.torch import load_file
 
 from helpers.project import TESTS, git, make_test_project
 from helpers.ranks import launch, model_of, version_in
@@ -85,7 +87,9 @@ def test_sigterm_at_step_32_then_rerun_commits_the_uninterrupted_weights_and_los
     assert {"state.safetensors/.metadata", "state.safetensors/__0_0.distcp",
             "state.safetensors/__1_0.distcp"} <= set(files), sorted(files)
 
-    second = launch(project, *FSDP1, env={**env, "GWL_TEST_DUMP": str(dump)}, timeout=TIMEOUT)
+    # at its end, the rerun also saves the model as the named checkpoint "final" (gwenlake_hpc.checkpoint)
+    second = launch(project, *FSDP1, env={**env, "GWL_TEST_DUMP": str(dump), "GWL_TEST_NAMED": "final"},
+                    timeout=TIMEOUT)
     assert [r[0] for r in second] == [0, 0], _text(second)
     assert all(f"resuming from step {stop}" in so + se for _, so, se in second), _text(second)
     # the full state the rerun loaded is the one the eviction checkpoint saved, element for element
@@ -101,6 +105,11 @@ def test_sigterm_at_step_32_then_rerun_commits_the_uninterrupted_weights_and_los
     final, _ = torch.load(dump / "saved-40.pt", weights_only=False)
     for k in final:
         assert torch.equal(resumed[k], final[k]), k
+    # the named checkpoint of the FSDP1 model: the same full model, gathered on every rank, written by rank 0
+    named = load_file(str(project.root / "runs" / "t.model" / "named" / "final" / "model.safetensors"))
+    assert sorted(named) == sorted(final)
+    for k in final:
+        assert torch.equal(named[k], final[k]), k
 
     want, got = _losses(project, "runs-ref"), _losses(project)
     assert sorted(got) == sorted(want) == list(range(1, 41))

@@ -187,3 +187,21 @@ def test_a_shard_the_manifest_does_not_list_is_a_damaged_file_and_nothing_is_loa
     assert info.value.checkpoint == ck.path
     assert info.value.path == ck.path / "state.safetensors" / "__0_0.distcp"
     assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_an_optimizer_parameter_outside_the_model_is_refused_with_exit_2_naming_it():
+    """get_state_dict keys a sharded model's optimizer state by the model's parameter names: a parameter the model
+    does not hold could not be restored, so it is refused before anything is written (issue 41; the 2-rank FSDP1
+    run is in tests/integration/test_sharded_fsdp1.py)."""
+    from gwenlake_hpc.base.errors import ConfigError
+    from gwenlake_hpc.stores.checkpoints.sharded import check_optimizer, is_sharded_model
+
+    model, opt = _trained()
+    assert not is_sharded_model(model)
+    check_optimizer(model, opt, "save_state")  # the model's own parameters: nothing said
+    stray = torch.nn.Parameter(torch.zeros(3, 2))
+    opt.add_param_group({"params": [stray]})
+    with pytest.raises(ConfigError, match=r"save_state: the optimizer's parameter 0 of group 1 \(shape \[3, 2\]\) "
+                                          r"is not a parameter of the model") as info:
+        check_optimizer(model, opt, "save_state")
+    assert info.value.exit_code == 2
