@@ -60,8 +60,8 @@ def _run_dir(project):
 @pytest.fixture(scope="module", params=[False, True], ids=["flat-params", "orig-params"])
 def evicted(request, tmp_path_factory):
     """An uninterrupted 2-rank run and one whose ranks are both SIGTERMed during step 32 (ending after it or the
-    next step with its eviction checkpoint, between the checkpoints of steps 30 and 35), before its rerun; ``use_orig_params`` as
-    the parameter says."""
+    next step with its eviction checkpoint, between the checkpoints of steps 30 and 35), before its rerun;
+    ``use_orig_params`` as the parameter says."""
     project = _project(tmp_path_factory.mktemp("fsdp1") / "project")
     env = {"GWL_TEST_ORIG_PARAMS": "1" if request.param else "0"}
     dump = project.root / "dump"

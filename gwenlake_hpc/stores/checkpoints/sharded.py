@@ -29,9 +29,9 @@ FSDP2 or a plain model, reads the folder back. FSDP1's state dict is made anew a
 re-chunked by FSDP1): its host copies are not reused from one asynchronous checkpoint to the next.
 
 Layout of the DCP folder's keys: ``model`` (the model's state dict, DTensors or ShardedTensors as they are),
-``optim`` (the optimizer's, keyed by parameter name, as ``get_state_dict`` gives it), ``gwenlake.doc`` (a JSON document: the
-structure of the scheduler and extra values, as in a safetensors state file) and ``gwenlake.t.<name>`` (their
-tensors). Any DCP tool (``dcp_to_torch_save``, ``dcp.load``) reads it.
+``optim`` (the optimizer's, keyed by parameter name, as ``get_state_dict`` gives it), ``gwenlake.doc`` (a JSON
+document: the structure of the scheduler and extra values, as in a safetensors state file) and
+``gwenlake.t.<name>`` (their tensors). Any DCP tool (``dcp_to_torch_save``, ``dcp.load``) reads it.
 
 Asynchronous checkpoints (the default): ``save_state`` inside the block only starts the staging of the state
 (each rank's shards copied, in DCP's staging thread, into host memory reused from one checkpoint to the next:

@@ -60,12 +60,14 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
     Tensors are copied to the CPU one at a time; dtypes and shapes are kept exactly.
 
     Sharded states: when the model is sharded (DTensors: FSDP2, tensor parallelism; or an FSDP1
-    ``FullyShardedDataParallel`` module, whatever its ``use_orig_params`` and ``state_dict_type``), inside ``run.checkpoint()`` ``path`` becomes a folder in torch.distributed.checkpoint's format written by
-    every rank (call it on every rank, in the same order); in an asynchronous checkpoint each rank only copies
-    its shards into reused host memory here, and writes them in the background; see :mod:`.sharded`. A sharded model alone outside a checkpoint (``save_state(output.file("model.safetensors"),
-    model=m)`` at the end) is written as one full safetensors file by rank 0, tensor by tensor, never the
-    whole model in one rank's memory (:func:`.consolidate.write_full_model`; every rank calls it; FSDP1: its
-    full state dict, offloaded to rank 0's host memory unit by unit by FSDP1, written by rank 0).
+    ``FullyShardedDataParallel`` module, whatever its ``use_orig_params`` and ``state_dict_type``), inside
+    ``run.checkpoint()`` ``path`` becomes a folder in torch.distributed.checkpoint's format written by every rank
+    (call it on every rank, in the same order); in an asynchronous checkpoint each rank only copies its shards
+    into host memory here (reused for FSDP2), and writes them in the background; see :mod:`.sharded`. A sharded
+    model alone outside a checkpoint (``save_state(output.file("model.safetensors"), model=m)`` at the end) is
+    written as one full safetensors file by rank 0, tensor by tensor, never the whole model in one rank's memory
+    (:func:`.consolidate.write_full_model`; every rank calls it; FSDP1: its full state dict, gathered by FSDP1
+    unit by unit into rank 0's host memory, written by rank 0).
 
     Returns:
         The path written (for a sharded state on a rank other than 0, in the checkpoint's shared directory).
@@ -191,9 +193,10 @@ def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
 
     Args:
         path: a file written by :func:`save_state`, or the DCP folder of a sharded state (read on any number of
-            ranks, into a sharded or a plain model; a collective where a process group exists).
+            ranks, into a sharded (FSDP2, DTensor, FSDP1) or a plain model; a collective where a process group
+            exists; through ``set_state_dict``: each rank's shards of the model and its optimizer).
         model: restored in place with its ``load_state_dict`` when given (a sharded model from a plain file: each
-            rank keeps its shard of each tensor).
+            rank keeps its shard of each tensor, through ``set_model_state_dict``).
         optimizer: restored the same way (it moves its state to its parameters' device itself).
         scheduler: restored the same way.
         strict: passed to ``model.load_state_dict``.
@@ -212,6 +215,7 @@ def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
         StateMismatchError (exit 2): a tensor's shape differs from the model's (named, with both shapes), or a
             plain optimizer state given to a sharded optimizer.
         CheckpointFormatError: the file or its manifest was written by a newer gwenlake_hpc (exit 2).
+        ConfigError (exit 2): the optimizer of a sharded model steps a parameter the model does not hold.
         CheckpointError: the file is missing, not a safetensors file, not written by save_state, or lacks a
             part that was asked for (e.g. ``optimizer=`` given but no optimizer saved).
     """
