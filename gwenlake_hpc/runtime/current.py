@@ -66,7 +66,8 @@ def checkpoint(model: Any, path: str | None = None, metadata: Mapping[str, Any] 
     (no rank goes on into a collective the others left); a sharded model (FSDP2's DTensors) is gathered tensor
     by tensor into one full file written by rank 0 (every rank takes part); an FSDP1 model's full state dict is
     gathered by FSDP1 one unit at a time into rank 0's host memory and written by rank 0 (every rank takes
-    part); a plain model is written by rank 0 alone; every rank then learns how rank 0's write ended, and returns or raises with it.
+    part); a plain model is written by rank 0 alone; every rank then learns how rank 0's write ended, and
+    returns or raises with it.
 
     Args:
         model: an ``nn.Module`` (its state_dict) or a state_dict; stored as ``model.safetensors``.
