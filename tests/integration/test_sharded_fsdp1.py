@@ -137,6 +137,21 @@ def test_the_checkpoint_of_two_fsdp1_ranks_resumes_in_one_process_with_the_state
     assert version_in(res[0][1])
 
 
+def test_a_plain_checkpoint_of_one_process_refuses_its_optimizer_state_on_two_fsdp1_ranks_with_exit_2(tmp_path):
+    """One process trains the plain model and saves plain state files; resumed on 2 FSDP1 ranks, its model part
+    could load into the shards but its optimizer state (one full AdamW state) could not be split into FSDP1's flat
+    shards: refused on every rank with exit 2, naming the way through (as for FSDP2)."""
+    project = _project(tmp_path / "project")
+    first = launch(project, *FSDP1, "job.steps=12", world=1, env={"GWL_TEST_SIGTERM_AT": "9"}, timeout=TIMEOUT)
+    assert [r[0] for r in first] == [75], _text(first)
+    bad = launch(project, *FSDP1, "job.steps=12", timeout=TIMEOUT)
+    text = _text(bad)
+    assert [r[0] for r in bad] == [2, 2], text
+    assert all("holds a plain optimizer state and the optimizer's is sharded (FSDP2 / DTensor / FSDP1)" in so + se
+               for _, so, se in bad), text
+    assert "Traceback" not in text, text
+
+
 @pytest.mark.parametrize("sd_type", ["SHARDED_STATE_DICT", "LOCAL_STATE_DICT"])
 def test_the_users_own_state_dict_type_saves_and_resumes_the_same_state(sd_type, tmp_path):
     """FSDP.set_state_dict_type by the user: save_state and load_state go through get_state_dict/set_state_dict,

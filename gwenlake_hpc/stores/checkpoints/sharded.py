@@ -46,9 +46,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-from concurrent.futures import Future
 import os
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Mapping
 
