@@ -37,10 +37,12 @@ def launch(project, *args, world=2, env=None, timeout=240):
 
 
 def model_of(project, version):
+    """The tensors of ``version``'s ``t/model/model.safetensors`` (also left in ``<project>/m.safetensors``)."""
     path = project.root / "m.safetensors"
     path.write_bytes(subprocess.run(["git", "show", f"{version}:t/model/model.safetensors"], cwd=project.root,
                                     capture_output=True, check=True).stdout)
-    return load_file(str(path))
+    # load_file maps the file: the next call rewrites it in place, and the tensors would then show its bytes
+    return {k: v.clone() for k, v in load_file(str(path)).items()}
 
 
 def version_in(stdout):

@@ -1,15 +1,15 @@
 """FSDP1 (``FullyShardedDataParallel``) training states across real processes with torchrun's environment (gloo).
 
-Job ``t`` with ``job.target=fsdp1.py:fit_fsdp1`` (tests/project/fsdp1.py): two linear layers under one FSDP1 unit,
-AdamW, ``save_state(model=, optimizer=)`` in every checkpoint (every 5 steps), in a plain ``@train`` loop. The
-reported input (issue 41): both ranks SIGTERMed around step 30 and rerun. Before, ``save_state`` wrote the full
-model and rank 0's optimizer shard only, and ``load_state`` loaded rank 0's shard on every rank: with
-``use_orig_params=False`` the rerun committed other weights and other losses (silently), with ``True`` it failed
-at its first optimizer step. Checked here: the committed weights equal an uninterrupted run's element for element
-and MLflow has every step's loss once, equal to the uninterrupted run's; every rank's shards are in the
-checkpoint; a named checkpoint (``gwenlake_hpc.checkpoint(model)``) holds the full model; the checkpoint of 2
-ranks resumes in one process with the full state saved; the user's own ``state_dict_type`` changes nothing; a
-state that cannot be restored exactly is refused with exit 2.
+Job ``t`` with ``job.target=fsdp1.py:fit_fsdp1`` (tests/project/fsdp1.py): two linear layers under one FSDP1 unit
+(or one a layer inside the root's), AdamW, ``save_state(model=, optimizer=)`` in every checkpoint (every 5 steps),
+in a plain ``@train`` loop. The reported input (issue 41): both ranks SIGTERMed around step 30 and rerun. Before,
+``save_state`` wrote the full model and rank 0's optimizer shard only, and ``load_state`` loaded rank 0's shard on
+every rank: with ``use_orig_params=False`` the rerun committed other weights and other losses (silently), with
+``True`` it failed at its first optimizer step. Checked here: the committed weights equal an uninterrupted run's
+element for element and MLflow has every step's loss once, equal to the uninterrupted run's; every rank's shards
+are in the checkpoint; a named checkpoint (``gwenlake_hpc.checkpoint(model)``) holds the full model; the
+checkpoint of 2 ranks resumes in one process with the full state saved; the user's own ``state_dict_type``
+changes nothing; a state that cannot be restored exactly is refused with exit 2.
 """
 
 from __future__ import annotations
@@ -57,13 +57,13 @@ def _run_dir(project):
     return next((project.root / "runs" / "t.model").iterdir())
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["flat-params", "orig-params"])
+@pytest.fixture(scope="module", params=[False, True], ids=["flat-params-one-unit", "orig-params-nested-units"])
 def evicted(request, tmp_path_factory):
     """An uninterrupted 2-rank run and one whose ranks are both SIGTERMed during step 32 (ending after it or the
     next step with its eviction checkpoint, between the checkpoints of steps 30 and 35), before its rerun;
-    ``use_orig_params`` as the parameter says."""
+    ``use_orig_params`` as the parameter says, with one FSDP1 unit (False) or one a layer inside the root's (True)."""
     project = _project(tmp_path_factory.mktemp("fsdp1") / "project")
-    env = {"GWL_TEST_ORIG_PARAMS": "1" if request.param else "0"}
+    env = {"GWL_TEST_ORIG_PARAMS": "1" if request.param else "0", "GWL_TEST_NESTED": "1" if request.param else "0"}
     dump = project.root / "dump"
     dump.mkdir()
     ref = launch(project, *FSDP1, "paths.runs_root=runs-ref", env=env, timeout=TIMEOUT)

@@ -4,6 +4,7 @@ copied into the tests' project beside trainer.py (job ``t``: ``job.target=fsdp1.
 Test hooks come from environment variables, never from params, so they do not change the run key:
   GWL_TEST_SIGTERM_AT=k       every rank sends itself SIGTERM during step k (a real signal: an eviction)
   GWL_TEST_ORIG_PARAMS=1      FSDP(..., use_orig_params=True) (default False: one flat parameter a unit)
+  GWL_TEST_NESTED=1           each linear layer is an FSDP1 unit of its own inside the root's (auto_wrap_policy)
   GWL_TEST_SD_TYPE=FULL_STATE_DICT|SHARDED_STATE_DICT|LOCAL_STATE_DICT  the user's own state_dict_type, set on
                               the model before the loop (FSDP.set_state_dict_type)
   GWL_TEST_DUMP=dir           rank 0 torch.saves the full model and optimizer state after each checkpoint
@@ -44,14 +45,18 @@ def _full_state(model, opt):
 
 @train(data=Input("t.rows"), output=Output("t.model"), steps=40, eval_every=5)
 def fit_fsdp1(data, output, run, config: Params):
-    """Two linear layers under one FSDP1 unit over the ranks, AdamW, ``save_state`` of the model and the optimizer
-    in every checkpoint (every 5 steps), the final model saved with ``save_state(output.file(...))``."""
+    """Two linear layers under one FSDP1 unit (or one each: GWL_TEST_NESTED) over the ranks, AdamW, ``save_state``
+    of the model and the optimizer in every checkpoint (every 5 steps), the final model saved with
+    ``save_state(output.file(...))``."""
     torch.manual_seed(1234)  # the same initial weights on every rank and world size
     model = nn.Sequential(nn.Linear(4, config.hidden), nn.ReLU(), nn.Linear(config.hidden, 1))
     if run.world_size > 1:
         from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
 
-        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"),
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        policy = ModuleWrapPolicy({nn.Linear}) if os.environ.get("GWL_TEST_NESTED") == "1" else None
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), auto_wrap_policy=policy,
                                          use_orig_params=os.environ.get("GWL_TEST_ORIG_PARAMS") == "1")
         if os.environ.get("GWL_TEST_SD_TYPE"):
             FullyShardedDataParallel.set_state_dict_type(model, StateDictType[os.environ["GWL_TEST_SD_TYPE"]])
