@@ -14,14 +14,25 @@ Responsibilities (:func:`run_trainer` and its :class:`GwenlakeCallback`):
 
 - the length: ``job.steps`` (or ``job.epochs``) is the Trainer's ``max_steps`` (``num_train_epochs``); the Run's
   step is the Trainer's ``global_step``, checked at every step;
-- checkpoints: at the Run's ``at_eval`` steps (``job.eval_every``, the last step, the step after a stop request)
-  and at the Trainer's own ``save_steps``, the Trainer's checkpoint folder (weights, optimizer, scheduler, RNG,
-  ``trainer_state.json``) is written into a scratch folder of the run directory and moved into a
-  ``run.checkpoint()`` block, so it is sealed, verified while loading, kept by ``keep=`` and safe against a kill
-  at any moment; ``resume_from_checkpoint`` is the Run's ``resume_path`` (the newest sealed one; a damaged one
-  is set aside for the one before by the Run);
-- eviction: a stop request ends the training at the next optimizer-step boundary, after that step's
-  checkpoint (``control.should_save``, then ``control.should_training_stop``); the job exits 75;
+- checkpoints: at the Run's ``at_eval`` steps (``job.eval_every``, the last step), at the step a stop request
+  arrived in, and at the Trainer's own saves (``save_strategy``/``save_steps``; an ``"epoch"`` save after the
+  epoch's evaluation), the Trainer's checkpoint folder (weights, optimizer, scheduler, RNG of each rank,
+  ``trainer_state.json``, an FSDP state's DCP folders ``pytorch_model_fsdp_0/``...) is written into a scratch
+  folder of the run directory and moved, files and folders as they are, into a ``run.checkpoint()`` block: the
+  seal records every file, a resume verifies them, ``keep=`` of them are kept, a kill at any moment leaves
+  nothing half-sealed; ``resume_from_checkpoint`` is the Run's ``resume_path`` (the newest sealed one; a damaged
+  one is set aside for the one before by the Run); the Trainer restores the data position itself
+  (``skip_first_batches``);
+- what the folder lacks (:mod:`.transformers_state`): a Trainer subclass's own counters (TRL's ``num_tokens``)
+  and callbacks with ``state_dict()``; ``ExportableState`` callbacks come back through HF's
+  ``restore_callback_states_from_checkpoint`` (set here);
+- the best checkpoints (``metric_for_best_model``, ``greater_is_better``): each new best is copied into a named
+  checkpoint of the model, ``<run key>.best-<step>`` with its metric, which ``best_model_checkpoint`` points at,
+  so ``load_best_model_at_end`` loads it after any eviction; ``save_strategy="best"`` saves at each evaluation
+  (the run's own checkpoints cannot wait for a new best);
+- eviction: a stop request (agreed by every rank at the end of each step) ends the training at the boundary of
+  the step in progress, after that step's checkpoint (``control.should_save``, then
+  ``control.should_training_stop``); the job exits 75 (under torchrun: ``python -m gwenlake_hpc.launch.torchrun``);
 - logging: what the Trainer logs (``loss``, ``grad_norm``, ``learning_rate``, ``epoch``; each
   ``logging_steps``) goes to ``run.log`` at its ``global_step``: the job's MLflow run, one point per step
   across restarts. HF's ``MLflowCallback`` (``report_to="mlflow"``) is replaced by this, since it would log the
@@ -29,10 +40,10 @@ Responsibilities (:func:`run_trainer` and its :class:`GwenlakeCallback`):
 
 Settings refused with exit 2 before training (:class:`~gwenlake_hpc.base.errors.ConfigError`, naming the setting
 and the fix): ``report_to`` other than ``"mlflow"``/``"none"`` (a second tracker would start a run of its own
-at each requeue), ``load_best_model_at_end`` and ``save_strategy="best"`` (they read checkpoint folders that
-the store has moved), ``save_only_model`` (a resume needs the optimizer and RNG), ``push_to_hub`` (a version is
-its git commit), and ``save_total_limit`` different from ``keep``. ``output_dir`` is replaced by
-``<run dir>/hf_trainer`` (a scratch folder: the checkpoints' home is the run's store).
+at each requeue), ``save_strategy="best"`` without evaluations, ``save_only_model`` (a resume needs the optimizer
+and RNG), ``push_to_hub`` (a version is its git commit), ``save_total_limit`` different from ``keep``, and what
+``TrainingArguments``' own checks refuse (its message). ``output_dir`` is replaced by ``<run dir>/hf_trainer``
+(a scratch folder: the checkpoints' home is the run's store).
 """
 
 from __future__ import annotations
@@ -307,6 +318,9 @@ def run_trainer(trainer: Any, run: Any, *, keep: int | None = None) -> Any:
         except OSError:
             pass
     args.output_dir, args.save_total_limit = str(scratch), None
+    # a resume is the same training going on: ExportableState callbacks (EarlyStoppingCallback's patience...)
+    # get their states back from trainer_state.json, HF's own mechanism (off by default in HF)
+    args.restore_callback_states_from_checkpoint = True
     _best_as_evaluations(args)
     if run.is_main and scratch.is_dir():
         shutil.rmtree(scratch)  # an interrupted start's unsealed folders
