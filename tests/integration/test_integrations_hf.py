@@ -42,26 +42,27 @@ def test_sigterm_then_sigkill_in_the_checkpoint_write_resume_to_the_uninterrupte
 
     p = _project(tmp_path / "interrupted")
     env = {"GWL_TEST_HF_ARGS": json.dumps(OWN_SAVES)}
-    # SIGTERM during step 16: the loop ends after step 17, whose checkpoint is sealed; the job exits 75
+    # SIGTERM during step 16: the loop ends after step 16 (the step in progress), whose checkpoint is sealed; the
+    # job exits 75
     first = p.run("+job=hf_t", env={**env, "GWL_TEST_SIGTERM_AT": "16"}, check=75)
-    assert "loop ended after step 17" in first.stderr + first.stdout, first.stderr
-    # the Trainer's own save_steps=7 (step 14) and the eviction's (step 17), save_total_limit=2 as keep
-    assert _checkpoints(p) == ["step-000000014", "step-000000017"]
+    assert "loop ended after step 16" in first.stderr + first.stdout, first.stderr
+    # the Trainer's own save_steps=7 (step 14) and the eviction's (step 16), save_total_limit=2 as keep
+    assert _checkpoints(p) == ["step-000000014", "step-000000016"]
     assert not (p.root / "mine").exists()  # output_dir is a scratch folder of the run directory
 
     # SIGKILL halfway through moving step 20's files into its checkpoint: never sealed, never resumed from
     second = p.run("+job=hf_t", env={**env, "GWL_TEST_SIGKILL_IN_SAVE": "20"}, check=-signal.SIGKILL)
-    assert "resuming from step 17" in second.stderr + second.stdout, second.stderr
-    assert _checkpoints(p) == ["step-000000014", "step-000000017"]
+    assert "resuming from step 16" in second.stderr + second.stdout, second.stderr
+    assert _checkpoints(p) == ["step-000000014", "step-000000016"]
 
-    # a byte of the sealed step 17's weights flipped on disk: verified before the resume, set aside for step 14
-    (ck17,) = (p.root / "runs" / "lm.tiny").glob("*/checkpoints/step-000000017")
-    raw = bytearray((ck17 / "model.safetensors").read_bytes())
+    # a byte of the sealed step 16's weights flipped on disk: verified before the resume, set aside for step 14
+    (ck16,) = (p.root / "runs" / "lm.tiny").glob("*/checkpoints/step-000000016")
+    raw = bytearray((ck16 / "model.safetensors").read_bytes())
     raw[-100] ^= 0xFF
-    (ck17 / "model.safetensors").write_bytes(bytes(raw))
+    (ck16 / "model.safetensors").write_bytes(bytes(raw))
     last = p.run("+job=hf_t", env=env, check=0)
     out = last.stderr + last.stdout
-    assert "step-000000017 is damaged" in out and "resuming from step 14" in out, out
+    assert "step-000000016 is damaged" in out and "resuming from step 14" in out, out
     assert _checkpoints(p) == ["step-000000028", "step-000000030"]
     v = _version(last)
     # the checkpoints' and the Output's files have a plain open()'s mode (safetensors writes 0600): readable by
@@ -78,8 +79,8 @@ def test_sigterm_then_sigkill_in_the_checkpoint_write_resume_to_the_uninterrupte
     for name in a:
         assert (a[name] == b[name]).all(), name
 
-    # one MLflow run across the three starts, `loss` one point per step 1..30 (15..19 were logged two or three times), the
-    # same losses as the uninterrupted run's, step by step
+    # one MLflow run across the three starts, `loss` one point per step 1..30 (15 and 16 were logged by all three
+    # starts, 17..19 by two), the same losses as the uninterrupted run's, step by step
     client, _ = the_run(p, "lm.tiny")
     assert sorted(e.name for e in client.search_experiments()) == ["Default", "lm.tiny"]
     losses = history(p, "lm.tiny", "loss")
@@ -100,7 +101,9 @@ def test_sigterm_then_sigkill_in_the_checkpoint_write_resume_to_the_uninterrupte
 @pytest.mark.parametrize("arguments, named", [
     ({"report_to": "wandb"}, "report_to"),  # wandb is not installed here: the Trainer's constructor raises
     ({"save_total_limit": 3}, "save_total_limit=3"),  # run_trainer's keep=2
-    ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"}, "load_best_model_at_end"),
+    # TrainingArguments' own check (a ValueError in its constructor): its message, exit 2, no traceback
+    ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "epoch"}, "load_best_model_at_end"),
+    ({"save_strategy": "best", "metric_for_best_model": "loss"}, "save_strategy='best'"),
     # the adversarial pass's input: the Trainer's constructor contacts the Hub (no network here) before run_trainer
     ({"push_to_hub": True}, "push_to_hub=True"),
 ])
