@@ -61,6 +61,15 @@ class DrivenLoop:
         self.in_step = True
         return True
 
+    def stop_agreed(self) -> bool:
+        """Whether a stop was requested on any rank, asked at the end of a step, before the framework decides to
+        checkpoint it (a collective in a multi-task run: every rank calls it at the same step). True lets the
+        step in progress be the last: its checkpoint, then :meth:`advance` ends the loop (the Run's own loop
+        would agree only before the next step, and run one more)."""
+        from ..runtime.distributed import agree_on_stop
+
+        return agree_on_stop(self.run.dist, self.run._stop)  # noqa: SLF001 - the Run's own agreement, one step earlier
+
     def check_step(self, framework_step: int) -> None:
         """Refuse a framework step counter other than the Run's at the end of a step.
 

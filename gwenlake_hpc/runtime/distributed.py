@@ -247,6 +247,25 @@ def setup(timeout_s: float | None = None) -> Dist:
 _ABANDONED: list[bool] = []  # a process group left undestroyed after a failure (teardown with ok=False)
 
 
+#: A folder where each rank records its exit status (set by ``python -m gwenlake_hpc.launch.torchrun`` for its
+#: workers: torchrun itself reports any non-zero status as a failure, 75 included).
+EXIT_STATUS_DIR_ENV = "GWENLAKE_EXIT_STATUS_DIR"
+
+
+def record_exit_status(code: int) -> None:
+    """Write ``code`` to ``$GWENLAKE_EXIT_STATUS_DIR/<torchrun restart>-<rank>`` where that variable is set
+    (nothing otherwise; a failure to write is logged, the exit goes on)."""
+    folder = os.environ.get(EXIT_STATUS_DIR_ENV)
+    if not folder:
+        return
+    name = f"{int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') or 0):04d}-{int(os.environ.get('RANK', '0')):05d}"
+    try:
+        with open(os.path.join(folder, name), "w") as fh:
+            fh.write(f"{int(code)}\n")
+    except OSError as exc:
+        log.warning("could not record the exit status in %s: %s", folder, exc)
+
+
 def exit_process(code: int) -> None:
     """End the process with exit status ``code`` (what ``python -m gwenlake_hpc`` and ``gwenlake-train`` do).
 
@@ -258,6 +277,7 @@ def exit_process(code: int) -> None:
     """
     import sys
 
+    record_exit_status(code)
     if not _ABANDONED:
         sys.exit(code)
     import atexit
