@@ -61,6 +61,17 @@ class DrivenLoop:
         self.in_step = True
         return True
 
+    def stop_requested(self) -> bool:
+        """Whether a stop was asked for on any rank (one decision for all: a collective in a multi-task run,
+        called by every rank at the same step). A framework that can checkpoint the step just done asks this at
+        its boundary: it then ends after that step (its checkpoint sealed, :meth:`advance` returns False), not
+        after one more.
+        """
+        from ..runtime.distributed import agree_on_stop
+
+        run = self.run
+        return agree_on_stop(run.dist, run._stop) if run.dist.enabled else run._stop.requested
+
     def check_step(self, framework_step: int) -> None:
         """Refuse a framework step counter other than the Run's at the end of a step.
 
