@@ -16,13 +16,17 @@ Responsibilities (:func:`fit_trainer` and its :class:`GwenlakeCallback`):
 - the length: ``job.steps`` is the Trainer's ``max_steps`` (``job.epochs`` its ``max_epochs``); the Run's step is
   ``trainer.global_step`` (optimizer steps: with gradient accumulation a step ends every ``accumulate_grad_batches``
   batches), checked at every step;
-- checkpoints: at the Run's ``at_eval`` steps (``job.eval_every``, the last step, the step after a stop request)
+- checkpoints: at the Run's ``at_eval`` steps (``job.eval_every``, the last step) and at a stop
   ``trainer.save_checkpoint`` writes ``lightning.ckpt`` (weights, optimizers, schedulers, loop progress, callbacks'
-  states) into a ``run.checkpoint()`` block: sealed, verified while loading, kept by ``keep=``, safe against a kill
-  at any moment; ``ckpt_path`` is the Run's ``resume_path`` (the newest sealed one; a damaged one is set aside for
-  the one before by the Run);
-- eviction: a stop request ends the training at the next optimizer-step boundary, after that step's checkpoint
-  (``trainer.should_stop``); the job exits 75;
+  states; a folder of every rank's shards under a distributed checkpoint, :mod:`.lightning_ckpt`) into a
+  ``run.checkpoint()`` block: sealed, verified while loading, kept by ``keep=``, safe against a kill at any moment;
+  ``ckpt_path`` is the Run's ``resume_path`` (the newest sealed one; a damaged one is set aside). A step Lightning
+  validates after by its schedule is checkpointed after that validation;
+- eviction: a stop request during optimizer step N ends the training after step N, its checkpoint sealed
+  (``trainer.should_stop``), without a validation the schedule did not ask for; the job exits 75;
+- data: a plain map-style ``DataLoader`` resumes in its order, the trained batches skipped unread
+  (:mod:`.lightning_data`);
+- the user's ``ModelCheckpoint`` is kept, its files mirrored as named checkpoints (:mod:`.lightning_ckpt`);
 - signals: Lightning's own handlers (SIGTERM, which ends ``fit`` with ``SIGTERMException``, and the SLURM
   requeue signal of ``SLURMEnvironment(auto_requeue=True)``, which saves inside the handler and calls ``scontrol
   requeue``) are not installed: the job owns the signals and decides the requeue, as for any training; a warning
@@ -33,9 +37,8 @@ Responsibilities (:func:`fit_trainer` and its :class:`GwenlakeCallback`):
   requeue); other file loggers are kept.
 
 Settings refused with exit 2 before training (:class:`~gwenlake_hpc.base.errors.ConfigError`, naming the setting
-and the fix): a ``ModelCheckpoint`` of the user's (a ``dirpath``, ``monitor``, ``every_n_*`` or ``save_last`` of
-its own: checkpoints outside the run's store; the default one is removed) and the loggers of other trackers
-(``WandbLogger``, ``CometLogger``, ``NeptuneLogger``: a run of their own at each requeue).
+and the fix): the loggers of other trackers (``WandbLogger``, ``CometLogger``, ``NeptuneLogger``: a run of their
+own at each requeue) and a plain ``DataLoader`` over an ``IterableDataset`` (no position to resume from).
 """
 
 from __future__ import annotations
@@ -177,10 +180,13 @@ class GwenlakeCallback(Callback):
             if wrapper is None:
                 continue
             if resumed and not state:
-                raise RuntimeError("the checkpoint resumed from holds no position of the plain train DataLoader: "
-                                   "it was written by an older gwenlake_hpc; start a new run (job.resume=never)")
+                raise ConfigError(f"{self.run.resume_path} holds no position of the plain train DataLoader (written "
+                                  "by an older gwenlake_hpc, or with another loader): it cannot resume in order; "
+                                  "start a new run (job.resume=never) or resume with the loader that wrote it")
             _set_sampler_epoch(loader, epoch)
-            if resumed and not epoch_done:
+            if epoch_done:
+                wrapper.restore_generator(state)
+            elif resumed:
                 if int(state["epoch"]) != epoch:
                     raise RuntimeError(f"the plain train DataLoader's position is of epoch {state['epoch']}, the "
                                        f"Trainer's epoch {epoch}")

@@ -105,7 +105,18 @@ class ResumableBatches:
     def state(self, epoch: int, done: int) -> dict[str, Any] | None:
         """The current pass as a resume needs it: epoch, ``done`` batches trained in it, its RNG states; None
         before the first pass."""
-        return None if self._pass is None else {**self._pass, "epoch": int(epoch), "skip": int(done)}
+        if self._pass is None:
+            return None
+        gen = self._owner.generator if self._owner is not None else None
+        return {**self._pass, "epoch": int(epoch), "skip": int(done),
+                "gen_now": gen.get_state() if gen is not None else None}
+
+    def restore_generator(self, state: dict[str, Any]) -> None:
+        """A resume at an epoch's end: the sampler's own generator as it was at the checkpoint, for the next
+        epoch's order (the global RNG is the Run's to restore)."""
+        gen = self._owner.generator if self._owner is not None else None
+        if gen is not None and state.get("gen_now") is not None:
+            gen.set_state(state["gen_now"])
 
     def __iter__(self) -> Iterator[Any]:
         resume, self._resume = self._resume, None
