@@ -107,7 +107,7 @@ class GwenlakeCallback(TrainerCallback):
         if state.global_step != run.step:
             loop.check_step(state.global_step)
         # a stop asked during this step makes it the last: its checkpoint, then the end (not one step more)
-        stop = loop.stop_agreed()
+        stop = loop.stop_requested()
         if self._epoch_saves and _epoch_ends(state):
             # the epoch's own save comes after on_epoch_end and its evaluation (the best metric): this step's
             self._save_requested = True
