@@ -1,5 +1,5 @@
 """The files of a Lightning training in the run's store: a distributed checkpoint folder, and the user's
-``ModelCheckpoint`` (issue 41).
+``ModelCheckpoint``.
 
 - A strategy with a distributed checkpoint (``ModelParallelStrategy()``, ``FSDPStrategy(state_dict_type=
   "sharded")``) makes ``trainer.save_checkpoint(path)`` write a folder at ``path`` (DCP: ``.metadata``,
@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 from ..base.errors import DamagedFileError
 from ..stores.checkpoints.digest import entry_digest, file_digest
 from ..stores.checkpoints.manifest import MANIFEST
+from ..stores.checkpoints.named import remove_named
 
 _SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
 
@@ -90,36 +90,6 @@ def _named(run: Any, filepath: str) -> str:
     """The named checkpoint of a ModelCheckpoint's file: ``<run key>.<file stem>`` in the names' alphabet."""
     stem = re.sub(r"[^A-Za-z0-9_.\-]", "_", Path(str(filepath)).name.removesuffix(".ckpt"))
     return f"{run.run_key}.{stem}"[:128]
-
-
-def remove_named(model_root: Path, name: str) -> None:
-    """Remove the named checkpoint ``name`` of the model (rank 0), under the store's lock; ``latest.json`` then
-    names the newest one left (or is removed)."""
-    from ..base.fsutil import write_atomic
-    from ..stores.checkpoints.named import INFO_FILE, LATEST_FILE, _lock, list_named, store_dir
-
-    store = store_dir(model_root)
-    dest = store / name
-    if not dest.is_dir():
-        return
-    with _lock(store):
-        aside = store / f".old-{name}-removed"
-        shutil.rmtree(aside, ignore_errors=True)
-        dest.rename(aside)  # readers see it whole or not at all
-        latest = store / LATEST_FILE
-        try:
-            named_latest = json.loads(latest.read_text()).get("name")
-        except (OSError, ValueError):
-            named_latest = None
-        if named_latest == name:
-            left = [i for i in list_named(model_root) if (Path(i["path"]) / INFO_FILE).is_file()]
-            if left:
-                newest = left[-1]
-                write_atomic(latest, (json.dumps({k: newest[k] for k in ("name", "run_key", "step", "time")})
-                                      + "\n").encode())
-            else:
-                latest.unlink(missing_ok=True)
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def adopt_model_checkpoint(cb: Any, run: Any) -> None:

@@ -1,4 +1,4 @@
-"""A plain map-style ``DataLoader`` of a Lightning training resumed in the same order (issue 41).
+"""A plain map-style ``DataLoader`` of a Lightning training resumed in the same order.
 
 Lightning saves the position of a loader only where the loader has ``state_dict`` (torchdata's
 ``StatefulDataLoader``); a plain ``DataLoader(shuffle=True)`` (what most Lightning code uses) starts its epoch again
