@@ -12,7 +12,8 @@ there as it exits (:func:`gwenlake_hpc.runtime.distributed.record_exit_status`).
 - 75 where torchrun failed (``ChildFailedError``) or was stopped by a signal (``SignalException``: SLURM's
   SIGTERM to the whole step) and every rank of the last attempt that recorded a status recorded 75 (the ranks
   the agent killed after the first one exited record nothing: they had passed the job's end together, see
-  ``teardown``).
+  ``teardown``), and every rank torchrun names as failed exited 75: a rank that crashed or was SIGKILLed is a
+  failure (1), though the agent's SIGTERM then ended the others as evicted.
 """
 
 from __future__ import annotations
@@ -46,12 +47,16 @@ def statuses(folder: Path) -> dict[int, int]:
     return found[max(found)] if found else {}
 
 
-def verdict(torchrun_status: int, recorded: dict[int, int]) -> int:
-    """The exit status to report: :data:`EVICTED` where torchrun failed and every recorded rank exited 75,
-    else torchrun's."""
-    if torchrun_status != 0 and recorded and set(recorded.values()) == {EVICTED}:
-        return EVICTED
-    return torchrun_status
+def verdict(torchrun_status: int, recorded: dict[int, int], failed: dict[int, int] | None = None) -> int:
+    """The exit status to report: :data:`EVICTED` where torchrun failed, every recorded rank exited 75 and
+    every rank torchrun names as failed (``failed``: ``{rank: exitcode}`` of its ``ChildFailedError``; negative:
+    killed by that signal) exited 75, else torchrun's. A rank that crashed or was SIGKILLed (the OOM killer) is a
+    failure even where the agent's SIGTERM then made the others end as evicted."""
+    if torchrun_status == 0 or not recorded or set(recorded.values()) != {EVICTED}:
+        return torchrun_status
+    if failed and set(failed.values()) != {EVICTED}:
+        return torchrun_status
+    return EVICTED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,14 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="gwenlake-exit-"))
     os.environ[EXIT_STATUS_DIR_ENV] = str(folder)  # the workers inherit the agent's environment
     try:
+        failed: dict[int, int] = {}
         try:
             torchrun(list(sys.argv[1:] if argv is None else argv))
             status = 0
         except (ChildFailedError, SignalException) as exc:
             status = 1
+            failed = {int(r): int(f.exitcode) for r, f in getattr(exc, "failures", {}).items()}
             print(f"torchrun: {type(exc).__name__}: {exc}".strip(), file=sys.stderr)
         recorded = statuses(folder)
-        final = verdict(status, recorded)
+        final = verdict(status, recorded, failed)
         if final != status:
             print(f"gwenlake_hpc: the ranks' exit statuses {dict(sorted(recorded.items()))}: evicted, exit "
                   f"{final} (rerun to resume)", file=sys.stderr)
