@@ -32,27 +32,39 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-
 if [ $# -gt 0 ] || [ "${GWENLAKE_TEST_SERIAL:-0}" = 1 ]; then
   exec .venv/bin/python -m pytest -q --durations=25 "$@"
 fi
-# The whole suite in two halves at once: the tests on the SLURM cluster (-m slurm: the cluster, submission over
-# SSH) spend most of their time waiting on SLURM (steps that sleep, preemption, requeue delays), and so do the
-# tests marked waits (servers down, sleeps); the others keep the cores busy. Each half has its own temporary folder; both outputs are printed, the cluster's
-# last. GWENLAKE_TEST_SERIAL=1 runs one pytest instead.
-cluster_tmp=$(mktemp -d /tmp/gwenlake-cluster-tests.XXXXXX)
-cluster_log="$cluster_tmp.log"
-.venv/bin/python -m pytest -q --durations=15 -m "slurm or waits" -p no:cacheprovider --basetemp="$cluster_tmp/t" \
-  > "$cluster_log" 2>&1 &
+# The whole suite in three streams at once (two cores): the tests on the SLURM cluster (-m slurm: the cluster,
+# submission over SSH) spend most of their time waiting on SLURM (steps that sleep, preemption, requeue delays)
+# and must run one at a time (a preemption test's job would preempt another's); the tests marked waits (servers
+# down, sleeps, network filesystems) and the rest are shared by two streams, by file name (integration tests
+# test_a* to test_h* with the unit tier, test_i* to test_z* in the other). Each stream has its own temporary
+# folder; the outputs are printed in turn. GWENLAKE_TEST_SERIAL=1 runs one pytest instead.
+tmp=$(mktemp -d /tmp/gwenlake-tests.XXXXXX)
+pytest() { .venv/bin/python -m pytest -q -p no:cacheprovider "$@"; }
+( pytest --durations=15 -m slurm --basetemp="$tmp/cluster" tests ) > "$tmp/cluster.log" 2>&1 &
 cluster_pid=$!
+( w=0 a=0
+  pytest --durations=10 -m "waits and not slurm" --basetemp="$tmp/waits" tests || w=$?
+  pytest --durations=15 -m "not slurm and not waits" --basetemp="$tmp/a" tests/unit tests/integration/test_[a-h]*.py || a=$?
+  [ "$w" = 5 ] && w=0
+  exit $(( w != 0 ? w : a ))
+) > "$tmp/a.log" 2>&1 &
+a_pid=$!
 set +e
-.venv/bin/python -m pytest -q --durations=25 -m "not slurm and not waits"
-rest_rc=$?
+pytest --durations=20 -m "not slurm and not waits" --basetemp="$tmp/b" tests/integration/test_[i-z]*.py tests/cluster
+b_rc=$?
+wait "$a_pid"
+a_rc=$?
 wait "$cluster_pid"
 cluster_rc=$?
 set -e
-echo "=== tests on the SLURM cluster and those that mostly wait (-m 'slurm or waits'), run at the same time ==="
-cat "$cluster_log"
-echo "exit statuses: not slurm $rest_rc, slurm $cluster_rc"
-rm -rf "$cluster_tmp" "$cluster_log"
-# pytest's 5 (nothing collected) is not a failure for a half that is empty here.
-for rc in "$rest_rc" "$cluster_rc"; do
+echo "=== the tests marked waits, then the unit tier and integration tests test_a* to test_h*, run at the same time ==="
+cat "$tmp/a.log"
+echo "=== tests on the SLURM cluster (-m slurm), run at the same time ==="
+cat "$tmp/cluster.log"
+echo "exit statuses: integration i-z $b_rc, waits+unit+integration a-h $a_rc, slurm $cluster_rc"
+rm -rf "$tmp"
+# pytest's 5 (nothing collected) is not a failure for a stream that is empty here.
+for rc in "$b_rc" "$a_rc" "$cluster_rc"; do
   if [ "$rc" != 0 ] && [ "$rc" != 5 ]; then exit "$rc"; fi
 done
 exit 0

@@ -110,6 +110,12 @@ class StartLimitError(GwenlakeError):
     allows. The job exits 1 before any work; its teardown ends it FAILED, naming the rule."""
 
 
+class RendezvousError(GwenlakeError):
+    """The job's process group did not form: a rank of ``WORLD_SIZE`` never joined within the collectives'
+    timeout (``GWENLAKE_DIST_TIMEOUT_S``), it died in its start-up, or ``MASTER_ADDR``/``MASTER_PORT`` lead
+    nowhere. Exit 1 before any work (nothing is written); the message names what joined."""
+
+
 class NonFiniteError(GwenlakeError):
     """A loss became NaN or infinite (``job.on_nonfinite=stop``, the default): the run ends with exit 1."""
 

@@ -16,13 +16,17 @@ Responsibilities (:func:`fit_trainer` and its :class:`GwenlakeCallback`):
 - the length: ``job.steps`` is the Trainer's ``max_steps`` (``job.epochs`` its ``max_epochs``); the Run's step is
   ``trainer.global_step`` (optimizer steps: with gradient accumulation a step ends every ``accumulate_grad_batches``
   batches), checked at every step;
-- checkpoints: at the Run's ``at_eval`` steps (``job.eval_every``, the last step, the step after a stop request)
+- checkpoints: at the Run's ``at_eval`` steps (``job.eval_every``, the last step) and at a stop
   ``trainer.save_checkpoint`` writes ``lightning.ckpt`` (weights, optimizers, schedulers, loop progress, callbacks'
-  states) into a ``run.checkpoint()`` block: sealed, verified while loading, kept by ``keep=``, safe against a kill
-  at any moment; ``ckpt_path`` is the Run's ``resume_path`` (the newest sealed one; a damaged one is set aside for
-  the one before by the Run);
-- eviction: a stop request ends the training at the next optimizer-step boundary, after that step's checkpoint
-  (``trainer.should_stop``); the job exits 75;
+  states; a folder of every rank's shards under a distributed checkpoint, :mod:`.lightning_ckpt`) into a
+  ``run.checkpoint()`` block: sealed, verified while loading, kept by ``keep=``, safe against a kill at any moment;
+  ``ckpt_path`` is the Run's ``resume_path`` (the newest sealed one; a damaged one is set aside). A step Lightning
+  validates after by its schedule is checkpointed after that validation;
+- eviction: a stop request during optimizer step N ends the training after step N, its checkpoint sealed
+  (``trainer.should_stop``), without a validation the schedule did not ask for; the job exits 75;
+- data: a plain map-style ``DataLoader`` resumes in its order, the trained batches skipped unread
+  (:mod:`.lightning_data`);
+- the user's ``ModelCheckpoint`` is kept, its files mirrored as named checkpoints (:mod:`.lightning_ckpt`);
 - signals: Lightning's own handlers (SIGTERM, which ends ``fit`` with ``SIGTERMException``, and the SLURM
   requeue signal of ``SLURMEnvironment(auto_requeue=True)``, which saves inside the handler and calls ``scontrol
   requeue``) are not installed: the job owns the signals and decides the requeue, as for any training; a warning
@@ -33,9 +37,8 @@ Responsibilities (:func:`fit_trainer` and its :class:`GwenlakeCallback`):
   requeue); other file loggers are kept.
 
 Settings refused with exit 2 before training (:class:`~gwenlake_hpc.base.errors.ConfigError`, naming the setting
-and the fix): a ``ModelCheckpoint`` of the user's (a ``dirpath``, ``monitor``, ``every_n_*`` or ``save_last`` of
-its own: checkpoints outside the run's store; the default one is removed) and the loggers of other trackers
-(``WandbLogger``, ``CometLogger``, ``NeptuneLogger``: a run of their own at each requeue).
+and the fix): the loggers of other trackers (``WandbLogger``, ``CometLogger``, ``NeptuneLogger``: a run of their
+own at each requeue) and a plain ``DataLoader`` over an ``IterableDataset`` (no position to resume from).
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from ..base.errors import ConfigError, recognise_config_errors
+from . import lightning_data
+from .lightning_ckpt import adopt_model_checkpoint, record_folder, verify_folder
 from .loop import DrivenLoop
 
 log = logging.getLogger("gwenlake_hpc.integrations")
@@ -118,6 +123,22 @@ class GwenlakeCallback(Callback):
         self._last_step = -1
         self._loader_states: list[Any] = []  # the train loaders' states of the checkpoint resumed from
         self._fresh_epoch = False  # resumed from an epoch's last batch: the next epoch's iterator is made anew
+        self._trainer: pl.Trainer | None = None
+        self._plain: list[lightning_data.ResumableBatches | None] = []  # the plain train loaders' batch samplers
+        self._plain_states: list[Any] = []  # their states in the checkpoint resumed from
+        self._after_val = False  # this step's checkpoint and boundary wait for the validation it schedules
+
+    def state_dict(self) -> dict[str, Any]:
+        """The plain train loaders' passes (:mod:`.lightning_data`), saved in Lightning's checkpoint."""
+        trainer = self._trainer
+        if trainer is None or not any(self._plain):
+            return {}
+        fit_loop = trainer.fit_loop
+        epoch, done = self._epoch_of(trainer), int(fit_loop.epoch_loop.batch_progress.current.ready)
+        return {"plain_loaders": [w.state(epoch, done) if w is not None else None for w in self._plain]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._plain_states = list(state_dict.get("plain_loaders") or [])
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -136,21 +157,48 @@ class GwenlakeCallback(Callback):
         a run resumed after its first epoch would go on in epoch 0's order (found by the adversarial pass of
         issue 26: other weights than the uninterrupted run)."""
         states, self._loader_states = self._loader_states, []
+        plain_states, self._plain_states = self._plain_states, []
         fit_loop = trainer.fit_loop
+        if fit_loop._combined_loader is None or fit_loop._data_fetcher is None:
+            return
+        self._plain = lightning_data.install(fit_loop._combined_loader.flattened)
         epoch = self._epoch_of(trainer)
-        if not states or fit_loop._combined_loader is None or fit_loop._data_fetcher is None or epoch == 0:
+        if not any(self._plain) and (not states or epoch == 0):
             return  # epoch 0 (not past its last batch): the order Lightning restored is the right one
         # A checkpoint of an epoch's last batch: the resumed start begins the next epoch (Lightning counts it so),
         # from its first batch, not from the spent iterator the state describes (which would skip that epoch).
-        epoch_done = bool(fit_loop.epoch_loop.batch_progress.is_last_batch)
+        resumed = self.run.resumed
+        epoch_done = resumed and bool(fit_loop.epoch_loop.batch_progress.is_last_batch)
         reloaded = False
         for loader, state in zip(fit_loop._combined_loader.flattened, states):
-            if state and callable(getattr(loader, "load_state_dict", None)):
+            if state and callable(getattr(loader, "load_state_dict", None)) and epoch > 0:
                 _set_sampler_epoch(loader, epoch)
                 loader.load_state_dict({} if epoch_done else state)  # {}: a fresh iterator at the next iter()
                 reloaded = True
+        for loader, wrapper, state in zip(fit_loop._combined_loader.flattened, self._plain,
+                                          plain_states or [None] * len(self._plain)):
+            if wrapper is None:
+                continue
+            if resumed and not state:
+                raise ConfigError(f"{self.run.resume_path} holds no position of the plain train DataLoader (written "
+                                  "by an older gwenlake_hpc, or with another loader): it cannot resume in order; "
+                                  "start a new run (job.resume=never) or resume with the loader that wrote it")
+            _set_sampler_epoch(loader, epoch)
+            if epoch_done:
+                wrapper.restore_generator(state)
+            elif resumed:
+                if int(state["epoch"]) != epoch:
+                    raise RuntimeError(f"the plain train DataLoader's position is of epoch {state['epoch']}, the "
+                                       f"Trainer's epoch {epoch}")
+                wrapper.resume_with(state)
+                if getattr(loader, "num_workers", 0):
+                    log.info("a plain DataLoader resumed mid-epoch: its order and position are restored; random "
+                             "draws of the dataset inside its workers are not (a StatefulDataLoader restores them)")
+            reloaded = True
         if reloaded and not epoch_done:
-            iter(fit_loop._data_fetcher)  # nothing fetched yet: the fetcher starts on the reloaded iterator
+            # made before the Run restores the RNG: the iterator's own draws (its workers' base seed) are not the
+            # training's; the batch sampler sets the epoch's recorded RNG states for its order
+            iter(fit_loop._data_fetcher)
         self._fresh_epoch = reloaded and epoch_done
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -161,7 +209,19 @@ class GwenlakeCallback(Callback):
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
         self.loop = DrivenLoop(self.run, int(total), "the Lightning Trainer")
         self._last_step = trainer.global_step
+        self._trainer = trainer
         self._reload_loaders(trainer)
+        val_loop = trainer.fit_loop.epoch_loop.val_loop
+        run_validation = val_loop.run
+
+        def run_then_end_step() -> Any:
+            out = run_validation()
+            if self._after_val:
+                self._after_val = False
+                self._end_step(trainer, after_val=True)
+            return out
+
+        val_loop.run = run_then_end_step  # the instance's: after every callback's on_validation_end
         if not self.loop.advance():  # the Run restores the RNG here (the state at the checkpoint's step)
             trainer.should_stop = True
         if self._fresh_epoch:
@@ -176,15 +236,42 @@ class GwenlakeCallback(Callback):
         if step == self._last_step:
             return  # a batch of gradient accumulation: no optimizer step yet
         self._last_step = step
+        if step != self.run.step:
+            self.loop.check_step(step)
+        if self._validation_scheduled(trainer):
+            # the checkpoint after the validation Lightning runs at this step: it holds what the validation changed
+            # (a ModelCheckpoint's best_k_models), and a resume does not run that validation again
+            self._after_val = True
+            return
+        self._end_step(trainer, after_val=False)
+
+    @staticmethod
+    def _validation_scheduled(trainer: pl.Trainer) -> bool:
+        """Whether Lightning validates after this training batch by its schedule (``val_check_interval``, the
+        epoch's end), leaving out its validation at a stop (``trainer.should_stop``), which the job's ending
+        must not add."""
+        epoch_loop, stop = trainer.fit_loop.epoch_loop, trainer.should_stop
+        trainer.should_stop = False
+        try:
+            return bool(epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+        finally:
+            trainer.should_stop = stop
+
+    def _end_step(self, trainer: pl.Trainer, after_val: bool) -> None:
+        """The step's boundary: its checkpoint (the Run's ``at_eval``, or a stop agreed now: the training ends
+        after this step, not one more), then the Run's next step or the end of the training."""
         run, loop = self.run, self.loop
-        if step != run.step:
-            loop.check_step(step)
-        if run.at_eval:
-            self._log_step(trainer)
+        if run.at_eval or loop.stop_requested():
+            if not after_val:
+                self._log_step(trainer)
             with run.checkpoint(keep=self.keep) as ck:
-                trainer.save_checkpoint(ck.path(CHECKPOINT_FILE))
+                path = ck.path(CHECKPOINT_FILE)
+                trainer.save_checkpoint(path)
+                record_folder(ck, path, trainer.global_rank)
         if not loop.advance():
             trainer.should_stop = True
+            if not after_val:
+                trainer.fit_loop.epoch_loop._skip_next_val = True  # no validation the schedule did not ask for
 
     @staticmethod
     def _log_step(trainer: pl.Trainer) -> None:
@@ -236,9 +323,8 @@ def _prepare(trainer: pl.Trainer, run: Any, keep: int | None) -> GwenlakeCallbac
     for cb in list(trainer.callbacks):
         if isinstance(cb, ModelCheckpoint):
             if _own_checkpointing(cb):
-                raise ConfigError("lightning.Trainer(callbacks=[ModelCheckpoint(...)]): it writes checkpoints outside "
-                                  "the run's store; remove it (fit_trainer checkpoints at job.eval_every into the "
-                                  "run's store, keep= of them) and attach a metric to a checkpoint instead")
+                adopt_model_checkpoint(cb, run)  # the user's: kept, its saves named checkpoints as well
+                continue
             trainer.callbacks.remove(cb)  # Lightning's default one: the run's store holds the checkpoints
     loggers = []
     for logger in trainer.loggers:
@@ -324,12 +410,16 @@ def fit_trainer(trainer: pl.Trainer, module: pl.LightningModule, run: Any, *, ke
         loop.epoch_loop.max_steps, loop.max_epochs = int(run.total_steps), -1
     elif run.epochs is not None:
         loop.epoch_loop.max_steps, loop.max_epochs = -1, int(run.epochs)
+    if fit_kwargs.get("train_dataloaders") is not None:
+        lightning_data.refuse_unresumable_in(fit_kwargs["train_dataloaders"], "fit_trainer(train_dataloaders=...)")
     ckpt = None
     if run.resumed:
         ckpt = Path(run.resume_path) / CHECKPOINT_FILE
-        if not ckpt.is_file():
+        if not ckpt.is_file() and not ckpt.is_dir():
             raise ConfigError(f"{run.resume_path} holds no {CHECKPOINT_FILE}: it was not written by fit_trainer; "
                               "start a new run (job.resume=never) or resume it with the training that wrote it")
+        if ckpt.is_dir():  # a distributed checkpoint (ModelParallelStrategy, FSDPStrategy sharded): its shards
+            verify_folder(run, ckpt)
     trainer.fit(module, ckpt_path=str(ckpt) if ckpt else None, **fit_kwargs)
 
 

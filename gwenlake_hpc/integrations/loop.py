@@ -61,6 +61,16 @@ class DrivenLoop:
         self.in_step = True
         return True
 
+    def stop_requested(self) -> bool:
+        """Whether a stop was asked for on any rank (one decision for all: a collective in a multi-task run,
+        called by every rank at the same step; a flag read in one process). A framework that can checkpoint the
+        step just done asks this at its boundary, before it decides to checkpoint: it then ends after that step
+        (its checkpoint sealed, :meth:`advance` returns False), not after one more (the Run's own loop agrees
+        only before the next step)."""
+        from ..runtime.distributed import agree_on_stop
+
+        return agree_on_stop(self.run.dist, self.run._stop)  # noqa: SLF001 - the Run's agreement, one step earlier
+
     def check_step(self, framework_step: int) -> None:
         """Refuse a framework step counter other than the Run's at the end of a step.
 

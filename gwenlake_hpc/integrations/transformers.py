@@ -14,14 +14,25 @@ Responsibilities (:func:`run_trainer` and its :class:`GwenlakeCallback`):
 
 - the length: ``job.steps`` (or ``job.epochs``) is the Trainer's ``max_steps`` (``num_train_epochs``); the Run's
   step is the Trainer's ``global_step``, checked at every step;
-- checkpoints: at the Run's ``at_eval`` steps (``job.eval_every``, the last step, the step after a stop request)
-  and at the Trainer's own ``save_steps``, the Trainer's checkpoint folder (weights, optimizer, scheduler, RNG,
-  ``trainer_state.json``) is written into a scratch folder of the run directory and moved into a
-  ``run.checkpoint()`` block, so it is sealed, verified while loading, kept by ``keep=`` and safe against a kill
-  at any moment; ``resume_from_checkpoint`` is the Run's ``resume_path`` (the newest sealed one; a damaged one
-  is set aside for the one before by the Run);
-- eviction: a stop request ends the training at the next optimizer-step boundary, after that step's
-  checkpoint (``control.should_save``, then ``control.should_training_stop``); the job exits 75;
+- checkpoints: at the Run's ``at_eval`` steps (``job.eval_every``, the last step), at the step a stop request
+  arrived in, and at the Trainer's own saves (``save_strategy``/``save_steps``; an ``"epoch"`` save after the
+  epoch's evaluation), the Trainer's checkpoint folder (weights, optimizer, scheduler, RNG of each rank,
+  ``trainer_state.json``, an FSDP state's DCP folders ``pytorch_model_fsdp_0/``...) is written into a scratch
+  folder of the run directory and moved, files and folders as they are, into a ``run.checkpoint()`` block: the
+  seal records every file, a resume verifies them, ``keep=`` of them are kept, a kill at any moment leaves
+  nothing half-sealed; ``resume_from_checkpoint`` is the Run's ``resume_path`` (the newest sealed one; a damaged
+  one is set aside for the one before by the Run); the Trainer restores the data position itself
+  (``skip_first_batches``);
+- what the folder lacks (:mod:`.transformers_state`): a Trainer subclass's own counters (TRL's ``num_tokens``)
+  and callbacks with ``state_dict()``; ``ExportableState`` callbacks come back through HF's
+  ``restore_callback_states_from_checkpoint`` (set here);
+- the best checkpoints (``metric_for_best_model``, ``greater_is_better``): each new best is copied into a named
+  checkpoint of the model, ``<run key>.best-<step>`` with its metric, which ``best_model_checkpoint`` points at,
+  so ``load_best_model_at_end`` loads it after any eviction; ``save_strategy="best"`` saves at each evaluation
+  (the run's own checkpoints cannot wait for a new best);
+- eviction: a stop request (agreed by every rank at the end of each step) ends the training at the boundary of
+  the step in progress, after that step's checkpoint (``control.should_save``, then
+  ``control.should_training_stop``); the job exits 75 (under torchrun: ``python -m gwenlake_hpc.launch.torchrun``);
 - logging: what the Trainer logs (``loss``, ``grad_norm``, ``learning_rate``, ``epoch``; each
   ``logging_steps``) goes to ``run.log`` at its ``global_step``: the job's MLflow run, one point per step
   across restarts. HF's ``MLflowCallback`` (``report_to="mlflow"``) is replaced by this, since it would log the
@@ -29,10 +40,10 @@ Responsibilities (:func:`run_trainer` and its :class:`GwenlakeCallback`):
 
 Settings refused with exit 2 before training (:class:`~gwenlake_hpc.base.errors.ConfigError`, naming the setting
 and the fix): ``report_to`` other than ``"mlflow"``/``"none"`` (a second tracker would start a run of its own
-at each requeue), ``load_best_model_at_end`` and ``save_strategy="best"`` (they read checkpoint folders that
-the store has moved), ``save_only_model`` (a resume needs the optimizer and RNG), ``push_to_hub`` (a version is
-its git commit), and ``save_total_limit`` different from ``keep``. ``output_dir`` is replaced by
-``<run dir>/hf_trainer`` (a scratch folder: the checkpoints' home is the run's store).
+at each requeue), ``save_strategy="best"`` without evaluations, ``save_only_model`` (a resume needs the optimizer
+and RNG), ``push_to_hub`` (a version is its git commit), ``save_total_limit`` different from ``keep``, and what
+``TrainingArguments``' own checks refuse (its message). ``output_dir`` is replaced by ``<run dir>/hf_trainer``
+(a scratch folder: the checkpoints' home is the run's store).
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ from transformers import TrainerCallback
 
 from ..base.errors import ConfigError, recognise_config_errors
 from ..base.fsutil import umask
+from . import transformers_state as extra
 from .loop import DrivenLoop
 
 log = logging.getLogger("gwenlake_hpc.integrations")
@@ -66,10 +78,13 @@ class GwenlakeCallback(TrainerCallback):
     Args:
         run: the job's Run.
         keep: complete checkpoints kept (``run.checkpoint(keep=)``); None keeps all.
+        trainer: the Trainer (its subclass's counters and its callbacks' states go into each checkpoint); None:
+            the Trainer's own files only.
     """
 
-    def __init__(self, run: Any, keep: int | None = None):
-        self.run, self.keep = run, keep
+    def __init__(self, run: Any, keep: int | None = None, trainer: Any = None):
+        self.run, self.keep, self.trainer = run, keep, trainer
+        self.built = extra.built_values(trainer) if trainer is not None else {}
         self.loop: DrivenLoop | None = None
         self._saved_step = -1
         self._save_requested = False
@@ -91,7 +106,12 @@ class GwenlakeCallback(TrainerCallback):
         run, loop = self.run, self.loop
         if state.global_step != run.step:
             loop.check_step(state.global_step)
-        if run.at_eval or control.should_save or (self._epoch_saves and _epoch_ends(state)):
+        # a stop asked during this step makes it the last: its checkpoint, then the end (not one step more)
+        stop = loop.stop_requested()
+        if self._epoch_saves and _epoch_ends(state):
+            # the epoch's own save comes after on_epoch_end and its evaluation (the best metric): this step's
+            self._save_requested = True
+        elif run.at_eval or stop or control.should_save:
             control.should_save = self._save_requested = True  # on_save then seals it and ends the step
         elif not loop.advance():
             control.should_training_stop = True
@@ -106,7 +126,7 @@ class GwenlakeCallback(TrainerCallback):
             shutil.rmtree(folder, ignore_errors=True)
             return control
         self._save_requested = False
-        self._store(folder)
+        self._store(folder, args, state)
         self._saved_step = state.global_step
         self._end_step(control)
         return control
@@ -130,20 +150,29 @@ class GwenlakeCallback(TrainerCallback):
         if not self.loop.advance():
             control.should_training_stop = True
 
-    def _store(self, folder: Path) -> None:
+    def _store(self, folder: Path, args: Any, state: Any) -> None:
         """Move the Trainer's checkpoint folder into a sealed checkpoint of the current step (every rank enters the
-        block; rank 0's files are the checkpoint, after every rank wrote its own RNG file into the folder)."""
+        block; rank 0 moves every file and folder the Trainer wrote, after every rank wrote its own: its RNG
+        file, an FSDP state's shards). The seal records each file, nested ones included, and a resume verifies
+        them. A new best (``metric_for_best_model``) is copied into a named checkpoint first."""
         run = self.run
         run.dist.barrier()
+        if run.is_main and not folder.is_dir():
+            raise RuntimeError(f"the Trainer's checkpoint {folder} is missing: is output_dir shared by all "
+                               "ranks (run_trainer sets it)?")
+        if self.trainer is not None and run.is_main:
+            extra.write_extra(self.trainer, self.built, folder)
+        if extra.is_new_best(args, state):
+            extra.keep_best(run, args, state, folder)
         with run.checkpoint(keep=self.keep) as ck:
             if run.is_main:
-                if not folder.is_dir():
-                    raise RuntimeError(f"the Trainer's checkpoint {folder} is missing: is output_dir shared by all "
-                                       "ranks (run_trainer sets it)?")
                 mode = 0o666 & ~umask()  # safetensors writes 0600: teammates on the shared filesystem read runs
-                for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-                    os.chmod(path, mode)
-                    os.replace(path, ck.path(str(path.relative_to(folder))))
+                for path in folder.rglob("*"):
+                    if path.is_file():
+                        os.chmod(path, mode)
+                # whole entries: an FSDP model's folder (pytorch_model_fsdp_0/) moves as it is, empty ones too
+                for entry in sorted(folder.iterdir()):
+                    os.replace(entry, ck.path(entry.name))
         run.dist.barrier()
         if run.is_main:
             shutil.rmtree(folder, ignore_errors=True)
@@ -159,6 +188,23 @@ def _save_strategy(args) -> str:
     return str(getattr(args.save_strategy, "value", args.save_strategy))
 
 
+def _eval_strategy(args) -> str:
+    return str(getattr(args.eval_strategy, "value", args.eval_strategy))
+
+
+def _best_as_evaluations(args) -> None:
+    """``save_strategy="best"``: the Trainer would save only at a new best, deciding it after the step's
+    callbacks, and so drop the run's own checkpoints (its eviction's, ``eval_every``'s). Here it saves at each
+    evaluation (``eval_strategy``, ``eval_steps``): the run's store keeps ``keep`` of them for resuming, and each
+    new best is the named checkpoint the Trainer's ``best_model_checkpoint`` points at."""
+    from transformers.trainer_utils import SaveStrategy
+
+    if _save_strategy(args) == "best":
+        args.save_strategy = SaveStrategy(_eval_strategy(args))
+        if args.save_strategy == SaveStrategy.STEPS:
+            args.save_steps = args.eval_steps
+
+
 def _check_arguments(args: Any, keep: int | None) -> int | None:
     """Refuse the Trainer's arguments that would work against the run's store or tracking (see the module's
     docstring); returns the ``keep`` to use.
@@ -171,10 +217,9 @@ def _check_arguments(args: Any, keep: int | None) -> int | None:
         raise ConfigError(f"TrainingArguments(report_to={args.report_to!r}): {', '.join(reporters)} would start a "
                           "run of its own at each requeue; set report_to='mlflow' or 'none' (the Trainer's logs go "
                           "to the job's MLflow run either way)")
-    if args.load_best_model_at_end or _save_strategy(args) == "best":
-        raise ConfigError("TrainingArguments(load_best_model_at_end=True / save_strategy='best'): the Trainer would "
-                          "read checkpoint folders that gwenlake_hpc moves into the run's store; leave them off and "
-                          "attach the metric to the checkpoint instead (ck.metrics)")
+    if _save_strategy(args) == "best" and _eval_strategy(args) == "no":
+        raise ConfigError("TrainingArguments(save_strategy='best') with eval_strategy='no': a best checkpoint needs "
+                          "evaluations; set eval_strategy='steps' (with eval_steps) or 'epoch'")
     if args.save_only_model:
         raise ConfigError("TrainingArguments(save_only_model=True): a resumed run needs the optimizer, scheduler "
                           "and RNG states; leave save_only_model off")
@@ -223,6 +268,21 @@ def _hub_refusal(exc: BaseException) -> ConfigError | None:
 recognise_config_errors(_hub_refusal)
 
 
+def _arguments_refusal(exc: BaseException) -> ConfigError | None:
+    """``TrainingArguments(...)`` refusing a combination in its own checks (``load_best_model_at_end=True`` with
+    different save and eval strategies, ``save_steps`` not a multiple of ``eval_steps``...): its message already
+    names the settings and the fix; exit 2 with it instead of a traceback."""
+    if not isinstance(exc, ValueError):
+        return None
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames or not frames[-1].filename.replace(os.sep, "/").endswith("/transformers/training_args.py"):
+        return None
+    return ConfigError(f"TrainingArguments: {exc}")
+
+
+recognise_config_errors(_arguments_refusal)
+
+
 def run_trainer(trainer: Any, run: Any, *, keep: int | None = None) -> Any:
     """Train ``trainer`` (a ``transformers.Trainer``) as this job's loop, from the run's newest checkpoint.
 
@@ -258,12 +318,19 @@ def run_trainer(trainer: Any, run: Any, *, keep: int | None = None) -> Any:
         except OSError:
             pass
     args.output_dir, args.save_total_limit = str(scratch), None
+    # a resume is the same training going on: ExportableState callbacks (EarlyStoppingCallback's patience...)
+    # get their states back from trainer_state.json, HF's own mechanism (off by default in HF)
+    args.restore_callback_states_from_checkpoint = True
+    _best_as_evaluations(args)
     if run.is_main and scratch.is_dir():
         shutil.rmtree(scratch)  # an interrupted start's unsealed folders
     from transformers.integrations import MLflowCallback
     trainer.remove_callback(MLflowCallback)
-    trainer.add_callback(GwenlakeCallback(run, keep))
+    callback = GwenlakeCallback(run, keep, trainer)  # reads the counters as built, before the resume sets them
+    trainer.add_callback(callback)
     resume = str(run.resume_path) if run.resumed else None
+    if resume is not None:
+        extra.read_extra(trainer, Path(resume))
     return trainer.train(resume_from_checkpoint=resume)
 
 

@@ -293,7 +293,9 @@ def _holder(kind: type, optional: bool) -> type:
 def settable_launcher_overrides(argv: Any, root: Path) -> list[str]:
     """``argv`` with each plain ``launcher.KEY=VALUE`` override of a setting the chosen launcher file leaves out
     made ``++launcher.KEY=VALUE``, when that file names no schema in its ``defaults`` (a file of only
-    ``name: slurm`` and a few settings, as the SLURM guide allows).
+    ``name: slurm`` and a few settings, as the SLURM guide allows), and each plain override of a SLURM setting
+    when the file is a local launcher's (``local_schema``): :func:`check_keys` then says it is a setting of
+    ``launcher=slurm``, where Hydra said ``Key 'folder' not in 'LauncherConfig'``.
 
     Hydra composes such a file as an untyped node that refuses new keys (``use +launcher.dry_run=true``); its
     keys are the schema's all the same (:func:`check_keys` and the typed conversion check them and their values).
@@ -313,9 +315,13 @@ def settable_launcher_overrides(argv: Any, root: Path) -> list[str]:
     if not name or "," in name or not path.is_file():
         return argv
     data = _read_config_file(path, "launcher")
-    if not isinstance(data, dict) or any(d in ("slurm_schema", "local_schema") for d in data.get("defaults") or []):
+    defaults = (data.get("defaults") or []) if isinstance(data, dict) else []
+    if not isinstance(data, dict) or "slurm_schema" in defaults:
         return argv
     fields = schema_fields(SlurmLauncherConfig)[0]
+    if "local_schema" in defaults:  # a typed local launcher: Hydra's "Key 'folder' not in 'LauncherConfig'"
+        local = schema_fields(LauncherConfig)[0]  # ++ lets the key in; check_keys names it a SLURM setting
+        fields, data = {k: v for k, v in fields.items() if k not in local}, {}
     parser = OverridesParser.create()
     for i, arg in enumerate(argv):
         if not arg.startswith("launcher.") or "=" not in arg:

@@ -37,8 +37,8 @@ from ..runtime.distributed import Dist
 from ..runtime.distributed import setup as setup_distributed
 from ..runtime.distributed import MISMATCHED
 from ..runtime.distributed import teardown as teardown_distributed
-from ..base.errors import (EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, NonFiniteError, StartLimitError,
-                           as_config_error)
+from ..base.errors import (EXIT_EVICTED, EXIT_FAILED, EXIT_USAGE, ConfigError, NonFiniteError, RendezvousError,
+                           StartLimitError, as_config_error)
 from .finish import JobResult, Start, finish
 from .arguments import bind_arguments
 from .node_local import local_level, sweep_local_levels
@@ -87,6 +87,9 @@ def execute(cfg: DictConfig | Mapping[str, Any], *, stop: StopRequest | None = N
     except ConfigError as exc:
         log.error("%s", exc)
         return JobResult(EXIT_USAGE)
+    except RendezvousError as exc:  # a rank never joined: one line, not the store's traceback
+        log.error("%s", exc)
+        return JobResult(exc.exit_code)
     except OmegaConfBaseException as exc:
         log.error("config error: %s", exc)
         return JobResult(EXIT_USAGE)

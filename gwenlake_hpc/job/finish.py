@@ -243,8 +243,10 @@ def _commit(p: JobPlan, run: Run, metrics: Mapping[str, float], lineage: Mapping
                                                      allow_nan=False) + "\n").encode()},
         )
     except Exception as exc:
-        log.error("the model could not be committed (%s); its files are kept in %s: commit them with "
-                  "`python -m gwenlake_hpc models commit %s %s`", exc, out_dir, out_dir, model_name)
+        log.error("the model could not be committed (%s); its files are kept in %s: once the cause is fixed, run "
+                  "the same job again (it resumes at its last step and commits them with the run's lineage), or "
+                  "commit them by hand, without it, with `python -m gwenlake_hpc models commit %s %s`", exc,
+                  out_dir, out_dir, model_name)
         return None
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import signal
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,9 @@ class Dist:
     #: every rank's host and pid as it joined (:class:`~.peers.Peer`, by rank); empty for a single process
     peers: list = field(default_factory=list, repr=False)
 
+    #: set once :meth:`lost_peer` found a rank gone: the job's end then waits for no one (see :func:`teardown`)
+    peer_lost: bool = False
+
     def lost_peer(self, exc: BaseException | None, where: str, then: str | None = None) -> str | None:
         """The one-line verdict when ``exc`` is a collective's failure because a rank is gone (naming it, its
         pid and host), or None (see :func:`.peers.verdict`); always None for a single process."""
@@ -59,7 +63,10 @@ class Dist:
             return None
         from .peers import verdict
 
-        return verdict(self.peers, self.rank, exc, where, then)
+        found = verdict(self.peers, self.rank, exc, where, then)
+        if found is not None:
+            self.peer_lost = True
+        return found
 
     @property
     def enabled(self) -> bool:
@@ -214,8 +221,9 @@ def setup(timeout_s: float | None = None) -> Dist:
     after it, not hang.
 
     Raises:
-        RuntimeError: the rendezvous failed (e.g. ``MASTER_ADDR`` does not resolve on a node: list the node
-            names in ``/etc/hosts`` or DNS).
+        RendezvousError: the process group did not form within ``timeout_s``: a rank never joined (it died or
+            hangs in its start-up), or ``MASTER_ADDR`` does not resolve on a node (list the node names in
+            ``/etc/hosts`` or DNS); one line naming what joined, not the store's traceback.
     """
     facts = from_environment()
     if facts is None:
@@ -233,18 +241,60 @@ def setup(timeout_s: float | None = None) -> Dist:
             torch.cuda.set_device(local % max(torch.cuda.device_count(), 1))
         log.info("joining the process group: rank %d of %d (local rank %d), backend %s, master %s:%s",
                  rank, world, local, backend, os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
-        dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
-                                timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+        try:
+            dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
+                                    timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - the store's timeout or connection error, as one line
+            raise _rendezvous_error(rank, world, timeout_s, exc) from None
     from .peers import from_gathered, me
 
     gathered: list[Any] = [None] * world  # who is who, for the verdict when a rank is gone
-    dist.all_gather_object(gathered, me(), group=control)
+    try:
+        control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+        dist.all_gather_object(gathered, me(), group=control)
+    except Exception as exc:  # noqa: BLE001 - a rank that died between the store and the first collective
+        raise _rendezvous_error(rank, world, timeout_s, exc) from None
     return Dist(rank=rank, world_size=world, local_rank=local, backend=backend, _control=control,
                 timeout_s=timeout_s, peers=from_gathered(gathered))
 
 
+def _rendezvous_error(rank: int, world: int, timeout_s: float, exc: BaseException) -> Exception:
+    """The one line for a process group that did not form (see :func:`setup`), with what the store said
+    (``1/2 clients joined``) and no C++ frames."""
+    from ..base.errors import RendezvousError
+
+    said = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    joined = re.search(r"(\d+)/(\d+) clients joined", str(exc))
+    who = (f"{joined.group(1)} of {joined.group(2)} ranks joined" if joined else
+           f"rank 0's store at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} did not answer or "
+           "a rank left")
+    return RendezvousError(
+        f"rank {rank} of {world}: the job's process group did not form within {timeout_s:g} s ({who}): a rank "
+        "never started, died or hangs in its start-up (its own log says where), or MASTER_ADDR/MASTER_PORT lead "
+        f"nowhere; nothing was trained or written here. Start every rank again (GWENLAKE_DIST_TIMEOUT_S bounds "
+        f"the wait). The store said: {said}")
+
+
 _ABANDONED: list[bool] = []  # a process group left undestroyed after a failure (teardown with ok=False)
+
+
+#: A folder where each rank records its exit status (set by ``python -m gwenlake_hpc.launch.torchrun`` for its
+#: workers: torchrun itself reports any non-zero status as a failure, 75 included).
+EXIT_STATUS_DIR_ENV = "GWENLAKE_EXIT_STATUS_DIR"
+
+
+def record_exit_status(code: int) -> None:
+    """Write ``code`` to ``$GWENLAKE_EXIT_STATUS_DIR/<torchrun restart>-<rank>`` where that variable is set
+    (nothing otherwise; a failure to write is logged, the exit goes on)."""
+    folder = os.environ.get(EXIT_STATUS_DIR_ENV)
+    if not folder:
+        return
+    name = f"{int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') or 0):04d}-{int(os.environ.get('RANK', '0')):05d}"
+    try:
+        with open(os.path.join(folder, name), "w") as fh:
+            fh.write(f"{int(code)}\n")
+    except OSError as exc:
+        log.warning("could not record the exit status in %s: %s", folder, exc)
 
 
 def exit_process(code: int) -> None:
@@ -258,6 +308,7 @@ def exit_process(code: int) -> None:
     """
     import sys
 
+    record_exit_status(code)
     if not _ABANDONED:
         sys.exit(code)
     import atexit
@@ -300,7 +351,7 @@ def teardown(d: Dist, ok: bool = True) -> bool | str:
 
     if not dist.is_initialized():
         return True
-    if not ok:
+    if not ok or d.peer_lost:  # a rank known gone (its verdict logged already) would fail the barrier again
         _ABANDONED.append(True)  # the process ends through exit_process (see there)
         return True
     try:
@@ -315,8 +366,10 @@ def teardown(d: Dist, ok: bool = True) -> bool | str:
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - a rank gone at the very end: this rank must not report success
         _ABANDONED.append(True)
-        log.error("%s", d.lost_peer(None, "at the job's end (the final barrier)",
-                                    "this rank exits 1, not 0; what rank 0 committed stays (a rerun prints its "
-                                    "version)") or f"leaving the process group: {exc}")
+        then = ("this rank exits 1, not 0; the version it committed stays (a rerun prints it)" if d.is_main else
+                "this rank exits 1, not 0; rank 0's log says whether it committed the version before it went: a "
+                "rerun prints that version, or resumes from the newest sealed checkpoint and commits it")
+        log.error("%s", d.lost_peer(None, "at the job's end (the final barrier)", then)
+                  or f"leaving the process group: {exc}")
         return False
     return True

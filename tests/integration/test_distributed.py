@@ -100,3 +100,31 @@ def test_resume_on_one_rank_with_the_same_global_batch_reads_every_sample_once(p
     assert sorted(epochs) == list(range(12))
     for epoch, rows in epochs.items():
         assert sorted(rows) == list(range(200)), epoch  # no sample skipped or read twice
+
+
+def test_a_rank_that_never_joins_is_one_line_on_each_side_and_nothing_is_written(project):
+    """The adversary's input: rank 0 started alone (its rank 1 never starts), and rank 1 alone (its rank 0's store
+    never answers), ``GWENLAKE_DIST_TIMEOUT_S`` short. Each ended after the timeout in a traceback of the store
+    (``DistStoreError: ... 1/2 clients joined``). Now one line each naming what joined, exit 1, and no run
+    directory."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers.mlflow_server import free_port
+
+    procs = []
+    for rank in (0, 1):  # each on a port of its own: neither ever meets the other
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(free_port()), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "GWENLAKE_DIST_TIMEOUT_S": "8"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "gwenlake_hpc", "+job=t"], cwd=project.root, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    for rank, (rc, so, se) in enumerate(out):
+        text = so + se
+        assert rc == 1, (rank, text)
+        assert f"rank {rank} of 2: the job's process group did not form within 8 s" in text, text
+        assert "Traceback (most recent call last)" not in text, text  # (c10d's own C++ log lines stay: torch's)
+    assert "(1 of 2 ranks joined)" in out[0][1] + out[0][2]
+    assert not (project.root / "runs" / "t.model").exists()

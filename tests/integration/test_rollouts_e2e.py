@@ -9,6 +9,22 @@ from gwenlake_hpc.stores.tracking.rollouts import ROLLOUT_TAG, deliver_rollout, 
 from helpers.rollouts import CHAT
 
 
+def test_a_rollout_delivered_twice_is_one_trace_with_its_spans(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("e")
+    run = client.create_run(exp)
+    entry = rollout_entry(CHAT, reward=0.5, step=4, task_id="t1", metrics=None, rollout_id="ab" * 16)["rollout"]
+    assert deliver_rollout(client, uri, exp, run.info.run_id, entry) is True
+    assert deliver_rollout(client, uri, exp, run.info.run_id, entry) is False  # after a kill: not twice
+    traces = client.search_traces(locations=[exp], run_id=run.info.run_id)
+    assert len(traces) == 1
+    t = traces[0]
+    assert t.info.tags[ROLLOUT_TAG] == "ab" * 16 and t.info.tags["gwenlake.task_id"] == "t1"
+    assert [s.name for s in t.data.spans] == ["rollout", "model turn 1", "tool calc", "model turn 2"]
+    assert t.data.spans[0].outputs["reward"] == 0.5 and t.data.spans[2].outputs["content"] == "4"
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from helpers.mlflow_server import mlflow_server_fixture

@@ -6,6 +6,7 @@ Real MLflow (SQLite stores), real processes and signals.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -26,6 +27,46 @@ from helpers.tracking_delivery import alive, child_env, steps_of, TRAINING, wait
 
 # ------------------------------------------------------------------------------------------
 # the delivery process
+
+
+def test_the_training_process_never_imports_mlflow(tmp_path: Path) -> None:
+    uri = default_uri(tmp_path)
+    out = subprocess.run([sys.executable, "-c", TRAINING, uri, str(tmp_path / "tracking"), "finish"],
+                         env=child_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    first, last = (json.loads(line) for line in out.stdout.splitlines())
+    assert last == {"result": True, "mlflow_imported": False}
+    assert not alive(first["child"])
+    client = MlflowClient(uri)
+    run_id = (tmp_path / "tracking" / "run_id").read_text().strip()
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert steps_of(client, run_id) == list(range(1, 201))
+
+
+def test_the_delivery_process_ignores_sigterm_and_is_restarted_when_it_dies(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    uri = default_uri(tmp_path)
+    tracker = Tracker(uri, "exp", "r", tmp_path / "tracking", flush_interval_s=0.2)
+    for step in range(1, 101):
+        tracker.log_metrics({"loss": 1.0 / step}, step)
+    assert tracker.wait_attached(120)
+    pid = tracker._delivery.proc.pid
+    os.kill(pid, signal.SIGTERM)  # SLURM's eviction signal reaches every process of the job step
+    for step in range(101, 201):
+        tracker.log_metrics({"loss": 1.0 / step}, step)
+    client = MlflowClient(uri)
+    wait_for(lambda: len(steps_of(client, tracker.run_id)) == 200, what="200 points after a SIGTERM")
+    assert alive(pid)
+
+    os.kill(pid, signal.SIGKILL)  # the OOM killer
+    for step in range(201, 301):
+        tracker.log_metrics({"loss": 1.0 / step}, step)
+    wait_for(lambda: tracker._delivery.proc is not None and tracker._delivery.proc.pid != pid, what="a new delivery process")
+    assert tracker.finish("FINISHED", timeout_s=120) is True
+    assert steps_of(client, tracker.run_id) == list(range(1, 301))
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    assert any(f"delivery process (pid {pid}) died while the training runs (killed by signal SIGKILL)"
+               in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
 
 def kill_training_at_its_first_line(uri: str, state: Path, mode: str, attached: bool | None = None) -> str:

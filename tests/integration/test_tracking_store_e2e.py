@@ -11,12 +11,28 @@ import time
 import pytest
 from mlflow import MlflowClient
 
-from gwenlake_hpc.stores.tracking import sqlite_uri
+from gwenlake_hpc.stores.tracking import ensure_sqlite_store, sqlite_uri
 from helpers.tracking_store import CREATE
 
 
 def env():
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.mark.parametrize("store_exists", [False, True])
+def test_a_killed_creators_temporary_store_and_its_journal_are_removed(tmp_path, store_exists):
+    from gwenlake_hpc.stores.tracking import sqlite as sqlite_mod
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    if store_exists:
+        ensure_sqlite_store(uri)
+        sqlite_mod._READY.clear()  # another process: it checks the store again
+    left = [tmp_path / ".mlflow.db.0123456789ab.tmp", tmp_path / ".mlflow.db.0123456789ab.tmp-journal"]
+    for f in left:
+        f.write_bytes(b"partial")
+    ensure_sqlite_store(uri)
+    assert [f for f in left if f.exists()] == []
+    assert MlflowClient(uri).search_experiments()  # and the store works
 
 
 @pytest.mark.slow

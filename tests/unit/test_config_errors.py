@@ -218,6 +218,8 @@ def trained(tmp_path_factory):
     (["+job=t", "+foo=1"], "foo: no such setting at the top level"),
     (["+job=t", "launcher=slurm", "+launcher.container.imag=x.sif"], "launcher.container.imag: no such setting"),
     (["+job=t", "+launcher.partition=high"], "launcher.partition is a setting of launcher=slurm"),
+    # the adversary's input: without the +, Hydra said "Key 'folder' not in 'LauncherConfig'"
+    (["+job=t", "launcher.folder=x"], "launcher.folder is a setting of launcher=slurm: add `name: slurm`"),
     (["+job=t", "cluster=user", "+cluster.foo=1"], "cluster.foo: no such setting"),
     (["+job=t", "cluster=user", "+cluster.launcher.partiton=x"], "cluster.launcher.partiton: no such setting"),
     (["+job=t", "cluster=user", "+cluster.launcher.container.foo=x"], "cluster.launcher.container.foo: no such"),

@@ -17,3 +17,20 @@ def test_test_module_basenames_are_unique_across_tiers():
     clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not clashes, f"rename one of each: {clashes}"
     assert len(seen) > 40  # the walk found the tiers
+
+
+def test_the_streams_of_scripts_test_sh_cover_every_test_file_once():
+    """scripts/test.sh shares the suite among streams by file name: tests/unit, tests/integration/test_[a-h]*.py,
+    tests/integration/test_[i-z]*.py and tests/cluster (the markers slurm and waits do the rest). A test file
+    named outside those globs (test_Big.py, a sub-folder) would run in no stream."""
+    import fnmatch
+
+    script = (TESTS.parent / "scripts" / "test.sh").read_text()
+    globs = ["tests/integration/test_[a-h]*.py", "tests/integration/test_[i-z]*.py"]
+    assert all(g in script for g in globs) and "tests/unit" in script and "tests/cluster" in script
+    for path in sorted(TESTS.rglob("test_*.py")):
+        rel = str(path.relative_to(TESTS.parent))
+        tier = path.relative_to(TESTS).parts[0]
+        assert tier in ("unit", "integration", "cluster") and len(path.relative_to(TESTS).parts) == 2, rel
+        if tier == "integration":
+            assert sum(fnmatch.fnmatchcase(rel, g) for g in globs) == 1, rel

@@ -604,3 +604,24 @@ def test_default_model_repo(tmp_path):
     clash = make_src(tmp_path / "clash", {"models/__init__.py": b""})
     with pytest.raises(ConfigError, match="paths.model_repo"):
         default_model_repo(clash)
+
+
+def test_a_lock_left_by_a_killed_git_is_named_with_the_way_out(tmp_path):
+    """The adversary's input: ``refs/heads/models/<model>.lock`` left by a git killed while it moved the branch
+    (a SIGKILL of the whole job during ``update-ref``). Every rerun failed with "kept moving or stayed locked for
+    50 attempts" and advice (``models commit``) that meets the same lock. Now the lock file is named with the way
+    out, and once it is removed the next commit lands."""
+    repo_dir, _ = code_repo(tmp_path / "code")
+    v1 = commit_model(repo_dir, "crm.churn", make_src(tmp_path / "o1", {"model.bin": b"1"}), message="v1")
+    lock = repo_dir / ".git" / "refs" / "heads" / "models" / "crm.churn.lock"
+    lock.write_text(v1 + "\n")
+    with pytest.raises(GwenlakeError) as err:
+        commit_model(repo_dir, "crm.churn", make_src(tmp_path / "o2", {"model.bin": b"2"}), message="v2",
+                     max_attempts=3)
+    said = str(err.value)
+    assert f"{lock} was there at each of 3 attempts and the branch never moved" in said, said
+    assert f"rm {lock}" in said and "pgrep -a git" in said, said
+    assert gs(repo_dir, "rev-parse", REF) == v1
+    lock.unlink()
+    v2 = commit_model(repo_dir, "crm.churn", make_src(tmp_path / "o2", {"model.bin": b"2"}), message="v2")
+    assert parents(repo_dir, v2) == [v1]

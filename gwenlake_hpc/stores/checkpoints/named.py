@@ -192,6 +192,34 @@ def seal_named(tmp: Path, model_root: Path, name: str, *, run_key: str, step: in
     return dest
 
 
+def remove_named(model_root: Path, name: str) -> None:
+    """Remove the named checkpoint ``name`` of the model (one process: rank 0), under the store's lock: renamed
+    aside first (readers see it whole or not at all), then deleted; ``latest.json`` then names the newest one left
+    (or is removed). Nothing happens when there is no such checkpoint."""
+    store = store_dir(model_root)
+    dest = store / name
+    if not dest.is_dir():
+        return
+    with _lock(store):
+        aside = store / f".old-{name}-removed"
+        shutil.rmtree(aside, ignore_errors=True)
+        dest.rename(aside)  # readers see it whole or not at all
+        latest = store / LATEST_FILE
+        try:
+            named_latest = json.loads(latest.read_text()).get("name")
+        except (OSError, ValueError):
+            named_latest = None
+        if named_latest == name:
+            left = [i for i in list_named(model_root) if (Path(i["path"]) / INFO_FILE).is_file()]
+            if left:
+                newest = left[-1]
+                write_atomic(latest, (json.dumps({k: newest[k] for k in ("name", "run_key", "step", "time")})
+                                      + "\n").encode())
+            else:
+                latest.unlink(missing_ok=True)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where it is not available."""
     try:

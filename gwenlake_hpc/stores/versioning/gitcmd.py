@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import shlex
 import subprocess
 import tempfile
 import time
@@ -213,8 +215,10 @@ def compare_and_swap(run: Callable[..., tuple[int, bytes, str]], ref: str,
             blocking ``models/...``).
     """
     last_error = ""
+    tips: set[str | None] = set()
     for attempt in range(1, max_attempts + 1):
         tip = _tip(run, ref)
+        tips.add(tip)
         new, result = make(tip)
         old = tip or "0" * len(new)  # all zeros: the ref must not exist yet
         status, _, err = run("update_ref", "-m", reflog, ref, new, old, ok=(0, 1, 128), env=env)
@@ -226,6 +230,13 @@ def compare_and_swap(run: Callable[..., tuple[int, bytes, str]], ref: str,
         if stuck is not None and _tip(run, ref) == tip and not locked:
             raise GwenlakeError(f"{stuck}: {last_error}")
         time.sleep(random.uniform(0.005, 0.03) * min(attempt, 10))
+    stale = re.search(r"Unable to create '([^']+\.lock)': File exists", last_error)
+    if stale and len(tips) == 1:  # locked every time while it never moved: a git killed as it moved the ref
+        raise GwenlakeError(
+            f"{what}: {stale.group(1)} was there at each of {max_attempts} attempts and the branch never moved: a "
+            "git process killed while it moved the branch (a SIGKILL of the job, a node crash) leaves that file. "
+            f"If no git process runs on this repository (pgrep -a git), remove it (rm {shlex.quote(stale.group(1))})"
+            " and run the same job again: it commits the version it trained")
     raise GwenlakeError(f"{what} for {max_attempts} attempts; last error: {last_error}")
 
 
