@@ -36,7 +36,8 @@ fi
 # submission over SSH) spend most of their time waiting on SLURM (steps that sleep, preemption, requeue delays)
 # and must run one at a time (a preemption test's job would preempt another's); the tests marked waits (servers
 # down, sleeps, network filesystems) and the rest are shared by two streams, by file name (integration tests
-# test_a* to test_h* with the unit tier, test_i* to test_z* in the other). Each stream has its own temporary
+# test_a* to test_h* and the HF Trainer's with the unit tier; Lightning's and test_j* to test_z* in the other:
+# about the same time each, measured). Each stream has its own temporary
 # folder; the outputs are printed in turn. GWENLAKE_TEST_SERIAL=1 runs one pytest instead.
 tmp=$(mktemp -d /tmp/gwenlake-tests.XXXXXX)
 pytest() { .venv/bin/python -m pytest -q -p no:cacheprovider "$@"; }
@@ -44,24 +45,26 @@ pytest() { .venv/bin/python -m pytest -q -p no:cacheprovider "$@"; }
 cluster_pid=$!
 ( w=0 a=0
   pytest --durations=10 -m "waits and not slurm" --basetemp="$tmp/waits" tests || w=$?
-  pytest --durations=15 -m "not slurm and not waits" --basetemp="$tmp/a" tests/unit tests/integration/test_[a-h]*.py || a=$?
+  pytest --durations=15 -m "not slurm and not waits" --basetemp="$tmp/a" tests/unit tests/integration/test_[a-h]*.py \
+    tests/integration/test_integrations_hf.py || a=$?
   [ "$w" = 5 ] && w=0
   exit $(( w != 0 ? w : a ))
 ) > "$tmp/a.log" 2>&1 &
 a_pid=$!
 set +e
-pytest --durations=20 -m "not slurm and not waits" --basetemp="$tmp/b" tests/integration/test_[i-z]*.py tests/cluster
+pytest --durations=20 -m "not slurm and not waits" --basetemp="$tmp/b" tests/integration/test_integrations_[!h]*.py \
+  tests/integration/test_[j-z]*.py tests/cluster
 b_rc=$?
 wait "$a_pid"
 a_rc=$?
 wait "$cluster_pid"
 cluster_rc=$?
 set -e
-echo "=== the tests marked waits, then the unit tier and integration tests test_a* to test_h*, run at the same time ==="
+echo "=== the tests marked waits, then the unit tier and integration tests test_a* to test_h* and HF's, run at the same time ==="
 cat "$tmp/a.log"
 echo "=== tests on the SLURM cluster (-m slurm), run at the same time ==="
 cat "$tmp/cluster.log"
-echo "exit statuses: integration i-z $b_rc, waits+unit+integration a-h $a_rc, slurm $cluster_rc"
+echo "exit statuses: integration Lightning and j-z $b_rc, waits+unit+integration a-h and HF $a_rc, slurm $cluster_rc"
 rm -rf "$tmp"
 # pytest's 5 (nothing collected) is not a failure for a stream that is empty here.
 for rc in "$b_rc" "$a_rc" "$cluster_rc"; do

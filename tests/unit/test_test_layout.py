@@ -20,13 +20,14 @@ def test_test_module_basenames_are_unique_across_tiers():
 
 
 def test_the_streams_of_scripts_test_sh_cover_every_test_file_once():
-    """scripts/test.sh shares the suite among streams by file name: tests/unit, tests/integration/test_[a-h]*.py,
-    tests/integration/test_[i-z]*.py and tests/cluster (the markers slurm and waits do the rest). A test file
-    named outside those globs (test_Big.py, a sub-folder) would run in no stream."""
+    """scripts/test.sh shares the suite among streams by file name: tests/unit, the integration tests' globs
+    (each file in exactly one) and tests/cluster (the markers slurm and waits do the rest). A test file named
+    outside those globs (test_Big.py, test_i.py, a sub-folder) would run in no stream."""
     import fnmatch
 
     script = (TESTS.parent / "scripts" / "test.sh").read_text()
-    globs = ["tests/integration/test_[a-h]*.py", "tests/integration/test_[i-z]*.py"]
+    globs = ["tests/integration/test_[a-h]*.py", "tests/integration/test_integrations_hf.py",
+             "tests/integration/test_integrations_[!h]*.py", "tests/integration/test_[j-z]*.py"]
     assert all(g in script for g in globs) and "tests/unit" in script and "tests/cluster" in script
     for path in sorted(TESTS.rglob("test_*.py")):
         rel = str(path.relative_to(TESTS.parent))
