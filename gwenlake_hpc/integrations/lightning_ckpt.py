@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ..base.errors import DamagedFileError
-from ..stores.checkpoints.digest import entry_digest, file_digest
+from ..stores.checkpoints.damage import entry_problem
+from ..stores.checkpoints.digest import file_digest
 from ..stores.checkpoints.manifest import MANIFEST
 from ..stores.checkpoints.named import remove_named
 
@@ -69,15 +70,10 @@ def verify_folder(run: Any, folder: Path) -> None:
         for i, rel in enumerate(listed):
             if problem is not None:
                 break
-            p, info = ck / rel, files[rel]
-            if not p.is_file():
-                problem = f"{p} is missing from checkpoint {ck.name}"
-            elif p.stat().st_size != info["size"]:
-                problem = f"{p} has {p.stat().st_size} bytes, its manifest says {info['size']}"
-            elif info.get("verify") == "on_load" and i % run.world_size == run.rank:
-                alg, digest = entry_digest(info, alg_default)
-                if file_digest(p, alg) != digest:
-                    problem = f"{p} does not match its {alg} digest in {ck.name}'s manifest"
+            # the shards' digests shared among the ranks: each hashes every world_size-th file
+            problem = entry_problem(ck, rel, files[rel], alg_default, hash_on_load=i % run.world_size == run.rank)
+            if problem is not None:
+                problem = f"{problem} in checkpoint {ck}"
     except (OSError, ValueError, KeyError) as exc:
         problem = f"{ck / MANIFEST} cannot be read ({type(exc).__name__}: {exc})"
     bad = run.dist.any(problem is not None) if run.dist.enabled else problem is not None

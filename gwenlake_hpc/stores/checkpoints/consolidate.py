@@ -36,6 +36,7 @@ from ...base.errors import CheckpointError, ConfigError
 from .digest import DEFAULT_ALGORITHM
 from .statedoc import META_KEY, state_metadata
 from .manifest import writer_version
+from .sharded import holds_fsdp1
 from .tensorfile import Layout, layout, write_layout
 
 #: The metadata key of save_state's document (see :mod:`.statedoc`).
@@ -83,7 +84,7 @@ def write_full_model(path: str | os.PathLike, model_or_state_dict: torch.nn.Modu
             it). OSError: on the writing rank, the write failed (nothing is put in place).
     """
     path = Path(path)
-    if isinstance(model_or_state_dict, torch.nn.Module) and _holds_fsdp1(model_or_state_dict):
+    if isinstance(model_or_state_dict, torch.nn.Module) and holds_fsdp1(model_or_state_dict):
         return _write_fsdp1_model(path, model_or_state_dict, rank_writes, algorithm)
     state = (model_or_state_dict.state_dict() if isinstance(model_or_state_dict, torch.nn.Module)
              else dict(model_or_state_dict))
@@ -110,12 +111,6 @@ def write_full_model(path: str | os.PathLike, model_or_state_dict: torch.nn.Modu
     else:
         _write_gathered(path, lay, order, rank_writes, distributed, algorithm)
     return path
-
-
-def _holds_fsdp1(model: torch.nn.Module) -> bool:
-    from .sharded import holds_fsdp1
-
-    return holds_fsdp1(model)
 
 
 def _write_fsdp1_model(path: Path, model: torch.nn.Module, rank_writes: int, algorithm: str) -> Path:

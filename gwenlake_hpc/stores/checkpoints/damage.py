@@ -9,7 +9,10 @@ whatever a node's cache of the shared filesystem shows. The store sets such a ch
 A manifest's file names are untrusted too: each must be a plain relative name inside the checkpoint folder
 (no ``..``, no absolute path, no empty part) whose every part is a real file or folder, not a symbolic link
 (a seal refuses symlinks, so one in a checkpoint was planted). Otherwise a resume would open, hash and load a
-file outside the run (:func:`name_problem`). Imports nothing of the store: the store imports this.
+file outside the run (:func:`name_problem`). Then, once the names passed, :func:`entry_problem` says what is
+wrong with one file against its entry (missing, size, digest): the store's check of a whole checkpoint and the
+Lightning integration's check of a strategy's checkpoint folder. Imports nothing of the store: the store imports
+this.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import os
 import stat
 from pathlib import Path
 from typing import Any, Mapping
+
+from .digest import entry_digest, file_digest
 
 MANIFEST = "MANIFEST.json"
 
@@ -103,3 +108,21 @@ def names_problem(folder: Path, files: Mapping[str, Any]) -> str | None:
         if problem is not None:
             return problem
     return None
+
+
+def entry_problem(folder: Path, rel: str, info: Mapping[str, Any], default_alg: str, hash_on_load: bool) -> str | None:
+    """What is wrong with the file ``rel`` of the checkpoint ``folder`` against its manifest entry ``info``, or
+    None: missing, another size (bytes), or another digest. A file marked ``verify: on_load`` is hashed only with
+    ``hash_on_load`` (otherwise its reader checks it as it reads). ``rel`` must have passed :func:`name_problem`."""
+    p = folder / rel
+    if not p.is_file():
+        return f"{rel} is missing"
+    if p.stat().st_size != info["size"]:
+        return f"{rel} has {p.stat().st_size} bytes, manifest says {info['size']}"
+    if info.get("verify") == "on_load" and not hash_on_load:
+        return None
+    alg, digest = entry_digest(info, default_alg)
+    if file_digest(p, alg) != digest:
+        return f"{rel} does not match its {alg} digest"
+    return None
+

@@ -33,8 +33,7 @@ from ...base.errors import CheckpointError, CheckpointExistsError, ConfigError
 from ...base.fsutil import fsync_dir
 from ...base.lease import check_fence
 from . import pointer as _pointer
-from .damage import manifest_problem, names_problem
-from .digest import entry_digest, file_digest
+from .damage import entry_problem, manifest_problem, names_problem
 from .manifest import COMPLETE_RE, FORMAT, MANIFEST, PARTIAL_MARK, PARTIAL_RE, RUN_STATE, Checkpoint, check_format
 from .partial import PendingCheckpoint
 
@@ -174,16 +173,9 @@ class CheckpointStore:
         if outside is not None:
             return outside
         for rel, info in ck.manifest.get("files", {}).items():
-            p = ck.path / rel
-            if not p.is_file():
-                return f"{rel} is missing"
-            if p.stat().st_size != info["size"]:
-                return f"{rel} has {p.stat().st_size} bytes, manifest says {info['size']}"
-            if info.get("verify") == "on_load" and not full:
-                continue
-            alg, digest = entry_digest(info, default_alg)
-            if file_digest(p, alg) != digest:
-                return f"{rel} does not match its {alg} digest"
+            problem = entry_problem(ck.path, rel, info, default_alg, hash_on_load=full)
+            if problem is not None:
+                return problem
         if RUN_STATE not in ck.manifest.get("files", {}):
             return f"{RUN_STATE} is missing"
         return None
